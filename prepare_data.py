@@ -1,0 +1,164 @@
+"""
+Prepare a dataset as nanoGPT does: uint16 token files train.bin / val.bin in data/<name>/.
+
+  python prepare_data.py                      # shakespeare_char: 65 characters, meta.pkl
+  python prepare_data.py shakespeare          # GPT-2 BPE through tiktoken
+  python prepare_data.py --input=my.txt       # any UTF-8 text instead of the download
+
+Offline, pass the text with --input and the GPT-2 vocabulary folder (vocab.bpe +
+encoder.json) with --gpt2_dir or the DAR_GPT2_DIR environment variable.
+"""
+import os
+import sys
+import pickle
+import hashlib
+import argparse
+import urllib.request
+
+import numpy as np
+from tqdm import tqdm
+
+SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
+SHAKESPEARE_SHA256 = '86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed'
+# the hashes tiktoken pins for the files of its 'gpt2' encoding
+GPT2_FILES_SHA256 = {
+    'vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
+    'encoder.json': '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783',
+}
+CHUNK = 1 << 20 # characters tokenised per tqdm step
+
+def fail(message):
+    """Stop with one line on stderr, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+def read_text(path):
+    """The corpus: the --input file, else tiny Shakespeare downloaded and checked."""
+    if path:
+        try:
+            with open(path, 'rb') as f:
+                raw = f.read()
+        except OSError as e:
+            fail(f"--input {path}: {e.strerror}")
+    else:
+        try:
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
+                raw = r.read()
+        except OSError as e:
+            fail(f"could not download {SHAKESPEARE_URL} ({e}); offline, pass the text with --input=FILE")
+        if sha256(raw) != SHAKESPEARE_SHA256:
+            fail(f"{SHAKESPEARE_URL} has sha256 {sha256(raw)}, expected {SHAKESPEARE_SHA256}")
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        fail(f"--input {path} is not UTF-8 text ({e.reason} at byte {e.start})")
+
+def gpt2_encoding(folder=None):
+    """tiktoken's 'gpt2' encoding. From a local folder holding vocab.bpe and encoder.json
+    (checked against the sha256 that tiktoken pins) when one is given, by argument or by the
+    DAR_GPT2_DIR environment variable; else tiktoken.get_encoding('gpt2'), which downloads
+    the files once and caches them."""
+    import tiktoken
+    folder = folder or os.environ.get('DAR_GPT2_DIR')
+    if not folder:
+        try:
+            return tiktoken.get_encoding('gpt2')
+        except Exception as e:
+            fail(f"tiktoken could not load 'gpt2' ({type(e).__name__}); offline, pass --gpt2_dir=DIR "
+                 "or set DAR_GPT2_DIR to a folder with vocab.bpe and encoder.json")
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str, ENDOFTEXT
+    paths = {}
+    for name, expected in GPT2_FILES_SHA256.items():
+        path = os.path.join(folder, name)
+        try:
+            with open(path, 'rb') as f:
+                digest = sha256(f.read())
+        except OSError as e:
+            fail(f"GPT-2 vocab folder {folder}: {name}: {e.strerror}")
+        if digest != expected:
+            fail(f"{path} has sha256 {digest}, expected {expected} (the file tiktoken pins)")
+        paths[name] = path
+    ranks = data_gym_to_mergeable_bpe_ranks(paths['vocab.bpe'], paths['encoder.json'],
+                                            GPT2_FILES_SHA256['vocab.bpe'], GPT2_FILES_SHA256['encoder.json'])
+    return tiktoken.Encoding(name='gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+
+def write_tokens(path, ids):
+    """ids as uint16 at path, through a temp file and a rename: never a half-written file."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size and ids.max() >= 2**16:
+        fail(f"token id {ids.max()} does not fit in uint16; {path} not written")
+    tmp = path + '.tmp'
+    ids.astype(np.uint16).tofile(tmp)
+    os.replace(tmp, path)
+
+def write_pickle(path, obj):
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+        pickle.dump(obj, f)
+    os.replace(tmp, path)
+
+def pieces(text):
+    """The text in pieces of about CHUNK characters, with a tqdm bar when it is large. Each cut
+    falls after a newline that a non-space follows, where GPT-2's BPE never merges across, so
+    the tokens of the pieces equal the tokens of the whole text."""
+    cuts = [0]
+    while cuts[-1] < len(text):
+        cut = text.find('\n', cuts[-1] + CHUNK)
+        while cut != -1 and text[cut + 1:cut + 2].isspace():
+            cut = text.find('\n', cut + 1)
+        cuts.append(len(text) if cut == -1 else cut + 1)
+    bar = tqdm(total=len(text), desc='tokenising', unit='char', unit_scale=True, disable=len(cuts) < 5)
+    for start, end in zip(cuts, cuts[1:]):
+        yield text[start:end]
+        bar.update(end - start)
+    bar.close()
+
+def prepare_char(text):
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    itos = {i: ch for i, ch in enumerate(chars)}
+    ids = [stoi[c] for piece in pieces(text) for c in piece]
+    return ids, dict(vocab_size=len(chars), stoi=stoi, itos=itos)
+
+def prepare_bpe(text, enc):
+    return [i for piece in pieces(text) for i in enc.encode_ordinary(piece)]
+
+def split_text(text):
+    n = len(text)
+    return text[:int(n * 0.9)], text[int(n * 0.9):]
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('dataset', nargs='?', default='shakespeare_char', choices=['shakespeare_char', 'shakespeare'])
+    parser.add_argument('--input', help='UTF-8 text file to use instead of downloading tiny Shakespeare')
+    parser.add_argument('--gpt2_dir', help='folder with GPT-2 vocab.bpe + encoder.json (or env DAR_GPT2_DIR)')
+    parser.add_argument('--data_dir', default='data', help='parent folder of the output folder data/<dataset>')
+    args = parser.parse_args(argv)
+
+    text = read_text(args.input)
+    print(f"length of dataset in characters: {len(text):,}")
+    train_text, val_text = split_text(text)
+    out = os.path.join(args.data_dir, args.dataset)
+    os.makedirs(out, exist_ok=True)
+    if args.dataset == 'shakespeare_char':
+        ids, meta = prepare_char(text)
+        n = len(train_text)
+        train_ids, val_ids = ids[:n], ids[n:]
+        print(f"vocab size: {meta['vocab_size']}")
+        write_pickle(os.path.join(out, 'meta.pkl'), meta)
+    else:
+        enc = gpt2_encoding(args.gpt2_dir)
+        train_ids, val_ids = prepare_bpe(train_text, enc), prepare_bpe(val_text, enc)
+    print(f"train has {len(train_ids):,} tokens")
+    print(f"val has {len(val_ids):,} tokens")
+    write_tokens(os.path.join(out, 'train.bin'), train_ids)
+    write_tokens(os.path.join(out, 'val.bin'), val_ids)
+    print(f"wrote {out}/train.bin, {out}/val.bin")
+
+if __name__ == '__main__':
+    main()

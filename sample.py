@@ -1,0 +1,89 @@
+"""
+Sample from a trained model.
+
+$ python sample.py --out_dir=out --start="ROMEO:" --num_samples=3 --max_new_tokens=200
+"""
+import os
+import sys
+import pickle
+
+import torch
+
+from model import GPT
+from prepare_data import fail, gpt2_encoding
+from train import configure, load_checkpoint, resolve_device
+
+# -----------------------------------------------------------------------------
+out_dir = 'out' # the checkpoint is out_dir/ckpt.pt
+start = "\n" # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
+num_samples = 10 # number of samples to draw
+max_new_tokens = 500 # number of tokens generated in each sample
+temperature = 0.8 # 1.0 = no change, < 1.0 = less random, > 1.0 = more random, in predictions
+top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 probability
+seed = 1337
+device = 'auto' # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
+dtype = 'auto' # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), or explicit
+compile = False # use PyTorch 2.0 to compile the model to be faster
+gpt2_dir = '' # folder with GPT-2 vocab.bpe + encoder.json, for BPE datasets offline (or env DAR_GPT2_DIR)
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+
+def codec(checkpoint, gpt2_dir):
+    """encode / decode for the checkpoint's dataset: its meta.pkl when it has one, else GPT-2 BPE."""
+    config = checkpoint['config']
+    meta_path = os.path.join(config['data_dir'], config['dataset'], 'meta.pkl')
+    if os.path.exists(meta_path):
+        print(f"Loading meta from {meta_path}...")
+        with open(meta_path, 'rb') as f:
+            meta = pickle.load(f)
+        stoi, itos = meta['stoi'], meta['itos']
+        def encode(s):
+            unknown = sorted(set(c for c in s if c not in stoi))
+            if unknown:
+                fail(f"the prompt has characters outside the vocabulary of {meta_path}: {''.join(unknown)!r}")
+            return [stoi[c] for c in s]
+        return encode, lambda l: ''.join([itos[i] for i in l])
+    print("No meta.pkl found, assuming GPT-2 encodings...")
+    enc = gpt2_encoding(gpt2_dir or None)
+    return lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}), lambda l: enc.decode(l)
+
+def main(argv):
+    cfg, _ = configure(DEFAULTS, argv)
+    torch.manual_seed(cfg['seed'])
+    device = resolve_device(cfg['device'])
+    device_type = 'cuda' if 'cuda' in device else device
+    dtype = cfg['dtype']
+    if dtype == 'auto':
+        dtype = 'float32' if device_type != 'cuda' else ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16')
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    ctx = torch.autocast(device_type=device_type, dtype=ptdtype, enabled=dtype != 'float32')
+
+    checkpoint = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
+    model = GPT.from_checkpoint(checkpoint)
+    model.eval()
+    model.to(device)
+    if cfg['compile']:
+        model = torch.compile(model) # requires PyTorch 2.0 (optional)
+    encode, decode = codec(checkpoint, cfg['gpt2_dir'])
+
+    # encode the beginning of the prompt
+    start = cfg['start']
+    if start.startswith('FILE:'):
+        try:
+            with open(start[5:], 'r', encoding='utf-8') as f:
+                start = f.read()
+        except OSError as e:
+            fail(f"--start={start}: {e.strerror}")
+    start_ids = encode(start)
+    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+
+    # run generation
+    with torch.no_grad():
+        with ctx:
+            for k in range(cfg['num_samples']):
+                y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'])
+                print(decode(y[0].tolist()))
+                print('---------------')
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

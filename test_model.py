@@ -1,0 +1,563 @@
+"""
+Tests of dar-gpt, all on CPU: python -m pytest -q test_model.py
+
+The residual paths are checked against naive references written here with explicit Python
+loops over sublayers and candidates and softmax by explicit exp / sum.
+"""
+import os
+import sys
+import math
+import copy
+import pickle
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, KVCache, sinkhorn
+import train
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(ROOT, '..', 'shared')
+EPS = 1e-6 # the model's RMS eps
+
+def tiny(**kw):
+    args = dict(block_size=16, vocab_size=50, n_layer=3, n_head=2, n_embd=32, bias=False, dropout=0.0)
+    args.update(kw)
+    return GPTConfig(**args)
+
+# one entry per path and routing; Block variants use K=4 over L=6 sublayers (a short last block)
+PATHS = {
+    'standard': dict(),
+    'attnres-full': dict(residual='attnres'),
+    'attnres-block': dict(residual='attnres', depth_block=4),
+    'mhc': dict(residual='mhc'),
+    'mhc-3': dict(residual='mhc', mhc_streams=3),
+    **{f'dar-{r}-full': dict(residual='dar', dar_routing=r) for r in ('cross', 'self', 'crossv', 'fixed', 'sepv')},
+    **{f'dar-{r}-block': dict(residual='dar', dar_routing=r, depth_block=4) for r in ('cross', 'self', 'crossv', 'fixed', 'sepv')},
+}
+
+def randomize(model, seed=0):
+    """Non-zero queries and random gates, so no read is uniform and no gate sits at its init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.transformer.res.named_parameters():
+            if name == 'value_proj':
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif name in ('key_norm',):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name == 'scale':
+                p.copy_(0.5 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+def make(name, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = GPT(tiny(**PATHS[name], **kw))
+    model.eval()
+    return randomize(model, seed)
+
+def full_logits(model, idx):
+    logits, _ = model(idx, targets=idx) # targets make the model return every position
+    return logits
+
+# -----------------------------------------------------------------------------
+# naive references
+
+def rmsnorm(v, g):
+    return v / torch.sqrt((v * v).mean(-1, keepdim=True) + EPS) * g
+
+def sigmoid(x):
+    return 1 / (1 + torch.exp(-x))
+
+def naive_read(w, g, keys, values):
+    """sum_r [exp(w . RMSNorm(k_r)) / sum_s exp(w . RMSNorm(k_s))] v_r, one candidate at a time."""
+    scores = []
+    for k in keys:
+        scores.append((rmsnorm(k, g) * w).sum(-1))
+    exps = [torch.exp(s) for s in scores]
+    total = sum(exps)
+    x = 0
+    for ex, v in zip(exps, values):
+        x = x + (ex / total).unsqueeze(-1) * v
+    return x
+
+def embed(model, idx):
+    pos = torch.arange(idx.size(1))
+    return model.transformer.wte(idx) + model.transformer.wpe(pos)
+
+def sublayer(model, l, x):
+    block = model.transformer.h[l // 2]
+    if l % 2 == 0:
+        return block.attn(block.ln_1(x))
+    return block.mlp(block.ln_2(x))
+
+def head(model, h):
+    return model.lm_head(model.transformer.ln_f(h))
+
+def naive_standard(model, idx):
+    """nanoGPT's GPT written out from its state_dict names: attention by explicit masked softmax."""
+    sd, cfg = model.state_dict(), model.config
+    B, T = idx.shape
+    C, nh = cfg.n_embd, cfg.n_head
+    ln = lambda x, p: F.layer_norm(x, (C,), sd[p + '.weight'], sd.get(p + '.bias'), 1e-5)
+    lin = lambda x, p: x @ sd[p + '.weight'].t() + (sd[p + '.bias'] if p + '.bias' in sd else 0)
+    x = sd['transformer.wte.weight'][idx] + sd['transformer.wpe.weight'][:T]
+    for i in range(cfg.n_layer):
+        p = f'transformer.h.{i}.'
+        q, k, v = lin(ln(x, p + 'ln_1'), p + 'attn.c_attn').split(C, dim=2)
+        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+        att = q @ k.transpose(-2, -1) / math.sqrt(C // nh)
+        att = att.masked_fill(torch.ones(T, T).tril() == 0, float('-inf'))
+        att = torch.exp(att - att.amax(-1, keepdim=True))
+        att = att / att.sum(-1, keepdim=True)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + lin(y, p + 'attn.c_proj')
+        x = x + lin(F.gelu(lin(ln(x, p + 'ln_2'), p + 'mlp.c_fc')), p + 'mlp.c_proj')
+    return ln(x, 'transformer.ln_f') @ sd['lm_head.weight'].t()
+
+def naive_attnres(model, idx):
+    res, cfg = model.transformer.res, model.config
+    L, K = 2 * cfg.n_layer, cfg.depth_block
+    blocks, partial = [embed(model, idx)], None
+    for l in range(L):
+        candidates = list(blocks)
+        if partial is not None and cfg.include_partial:
+            candidates.append(partial)
+        x = naive_read(res.query[l], res.key_norm[l], candidates, candidates)
+        y = sublayer(model, l, x)
+        partial = y if partial is None else partial + y
+        if (l + 1) % K == 0:
+            blocks.append(partial)
+            partial = None
+    if partial is not None:
+        blocks.append(partial)
+    return head(model, naive_read(res.query[L], res.key_norm[L], blocks, blocks))
+
+def naive_dar_reads(res, routing, C, l):
+    """h^0, h^1 from the candidates C[0], C[1] (lists), by the routing table of equations.md."""
+    h = []
+    for j in (0, 1):
+        if routing == 'cross':
+            keys, values = C[1 - j], C[j]
+        elif routing == 'self':
+            keys, values = C[j], C[j]
+        elif routing == 'crossv':
+            keys, values = C[j], C[1 - j]
+        elif routing == 'fixed':
+            keys, values = C[0], C[1]
+        elif routing == 'sepv':
+            keys, values = C[j], [v @ res.value_proj[l, j].t() for v in C[j]]
+        h.append(naive_read(res.query[l, j], res.key_norm[l], keys, values))
+    return h
+
+def naive_dar(model, idx):
+    res, cfg = model.transformer.res, model.config
+    L, K = 2 * cfg.n_layer, cfg.depth_block
+    e = embed(model, idx)
+    H, P = [[e], [e]], None
+    for l in range(L):
+        C = [list(H[0]), list(H[1])]
+        if P is not None and cfg.include_partial:
+            C[0].append(P[0])
+            C[1].append(P[1])
+        h0, h1 = naive_dar_reads(res, cfg.dar_routing, C, l)
+        alpha = sigmoid(res.alpha_logit[l])
+        y = sublayer(model, l, alpha * h0 + (1 - alpha) * h1)
+        beta0, beta1 = 2 * sigmoid(res.beta_logit[l, 0]), 2 * sigmoid(res.beta_logit[l, 1])
+        if P is None:
+            P = [beta0 * y, beta1 * y]
+        else:
+            rho = sigmoid(res.rho_logit[l])
+            P = [rho * P[0] + (1 - rho) * P[1] + beta0 * y, (1 - rho) * P[0] + rho * P[1] + beta1 * y]
+        if (l + 1) % K == 0:
+            H[0].append(P[0])
+            H[1].append(P[1])
+            P = None
+    if P is not None:
+        H[0].append(P[0])
+        H[1].append(P[1])
+    h0, h1 = naive_dar_reads(res, cfg.dar_routing, H, L)
+    alpha = sigmoid(res.alpha_logit[L])
+    return head(model, alpha * h0 + (1 - alpha) * h1)
+
+def naive_sinkhorn(logits, iters=20):
+    if logits.size(-1) == 2 and iters == 20:
+        # the limit, which the model uses for n = 2: D1 exp(Z) D2 = [[p, 1-p], [1-p, p]] gives
+        # p^2 / (1-p)^2 = a d / (b c); test_sinkhorn_closed_form_is_the_iteration_limit checks it
+        E = torch.exp(logits)
+        a, b, c, d = E[..., 0, 0], E[..., 0, 1], E[..., 1, 0], E[..., 1, 1]
+        p = torch.sqrt(a * d) / (torch.sqrt(a * d) + torch.sqrt(b * c))
+        return torch.stack([torch.stack([p, 1 - p], -1), torch.stack([1 - p, p], -1)], -2)
+    ex = torch.exp(logits - logits.amax(-1, keepdim=True))
+    M = ex / ex.sum(-1, keepdim=True)
+    M = M / M.sum(-2, keepdim=True)
+    for _ in range(iters - 1):
+        M = M / M.sum(-1, keepdim=True)
+        M = M / M.sum(-2, keepdim=True)
+    return M
+
+def naive_mhc(model, idx):
+    res, cfg = model.transformer.res, model.config
+    n, C = cfg.mhc_streams, cfg.n_embd
+    e = embed(model, idx)
+    X = [e for _ in range(n)]
+    def normed_flat(X):
+        xf = torch.cat(X, -1)
+        return xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + EPS)
+    for l in range(2 * cfg.n_layer):
+        z = normed_flat(X) @ res.proj[l]
+        s_pre, s_post, s_res = res.scale[l]
+        pre = sigmoid(s_pre * z[..., :n] + res.b_pre[l])
+        post = 2 * sigmoid(s_post * z[..., n:2 * n] + res.b_post[l])
+        M = naive_sinkhorn(s_res * z[..., 2 * n:].reshape(*z.shape[:-1], n, n) + res.B_res[l])
+        x = sum(pre[..., i:i + 1] * X[i] for i in range(n))
+        y = sublayer(model, l, x)
+        X = [sum(M[..., i, k:k + 1] * X[k] for k in range(n)) + post[..., i:i + 1] * y for i in range(n)]
+    w = sigmoid(res.out_scale * (normed_flat(X) @ res.out_proj) + res.out_bias)
+    return head(model, sum(w[..., i:i + 1] * X[i] for i in range(n)))
+
+NAIVE = dict(standard=naive_standard, attnres=naive_attnres, dar=naive_dar, mhc=naive_mhc)
+
+# -----------------------------------------------------------------------------
+# every path against its naive reference
+
+@pytest.mark.parametrize('name', PATHS)
+@pytest.mark.parametrize('include_partial', [True, False])
+def test_matches_naive_reference(name, include_partial):
+    if not include_partial and PATHS[name].get('residual') not in ('attnres', 'dar'):
+        pytest.skip('include_partial applies to attnres and dar only')
+    extra = {} if include_partial else dict(include_partial=False)
+    model = make(name, **extra)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = full_logits(model, idx)
+        want = NAIVE[model.config.residual](model, idx)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize('name', [n for n in PATHS if 'block' in n and 'sepv' not in n])
+@pytest.mark.parametrize('include_partial', [True, False])
+def test_two_phase_equals_plain(name, include_partial):
+    plain = make(name, include_partial=include_partial)
+    fast = make(name, include_partial=include_partial, two_phase=True)
+    fast.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(full_logits(fast, idx), full_logits(plain, idx), atol=1e-5, rtol=1e-5)
+
+def test_standard_state_dict_names_are_nanogpts():
+    model = GPT(tiny(n_layer=1, bias=True))
+    names = set(model.state_dict())
+    want = {'transformer.wte.weight', 'transformer.wpe.weight', 'lm_head.weight',
+            'transformer.ln_f.weight', 'transformer.ln_f.bias'}
+    for p in ('ln_1', 'ln_2', 'attn.c_attn', 'attn.c_proj', 'mlp.c_fc', 'mlp.c_proj'):
+        want |= {f'transformer.h.0.{p}.weight', f'transformer.h.0.{p}.bias'}
+    assert names == want
+
+@pytest.mark.parametrize('bias', [False, True])
+def test_nanogpt_checkpoint_gives_the_same_logits(bias):
+    """A nanoGPT-style checkpoint (compiled-model prefix included) loads and matches nanoGPT's math."""
+    torch.manual_seed(3)
+    src = GPT(tiny(bias=bias))
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.05 * torch.randn_like(p)) # biases and norms away from their init
+    args = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, bias=bias, vocab_size=50, dropout=0.0)
+    ckpt = dict(model_args=args, model={'_orig_mod.' + k: v for k, v in src.state_dict().items()})
+    model = GPT.from_checkpoint(ckpt)
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(full_logits(model, idx), naive_standard(src, idx), atol=1e-5, rtol=1e-5)
+
+# -----------------------------------------------------------------------------
+# invariants of every path
+
+@pytest.mark.parametrize('name', PATHS)
+def test_causal(name):
+    model = make(name)
+    idx = torch.randint(0, 50, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        base = full_logits(model, idx)
+        for t in (0, 7, 14):
+            changed = idx.clone()
+            changed[0, t + 1] = (changed[0, t + 1] + 1) % 50
+            out = full_logits(model, changed)
+            assert torch.equal(out[:, :t + 1], base[:, :t + 1]), f"position <= {t} saw token {t + 1}"
+            assert not torch.allclose(out[:, t + 1], base[:, t + 1])
+
+@pytest.mark.parametrize('name', PATHS)
+def test_kv_cache_equals_uncached_forward(name):
+    model = make(name)
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        # logits: prefill 5 tokens, then one at a time, then a chunk of 3
+        cache = KVCache(model.config)
+        pieces = [model(idx[:, :5], cache=cache, targets=idx[:, :5])[0]]
+        for t in range(5, 9):
+            pieces.append(model(idx[:, t:t + 1], cache=cache)[0])
+        pieces.append(model(idx[:, 9:12], cache=cache, targets=idx[:, 9:12])[0])
+        torch.testing.assert_close(torch.cat(pieces, 1), full_logits(model, idx), atol=1e-5, rtol=1e-5)
+        # greedy tokens, past block_size (16) so the window slides
+        prompt = idx[:, :10]
+        want = prompt
+        for _ in range(12):
+            logits = full_logits(model, want[:, -16:])[:, -1]
+            want = torch.cat([want, logits.argmax(-1, keepdim=True)], 1)
+        got = model.generate(prompt, 12, top_k=1)
+    assert torch.equal(got, want)
+
+@pytest.mark.parametrize('name', PATHS)
+def test_gradient_reaches_every_parameter(name):
+    model = make(name) # non-zero queries: at zero queries the key norms' gradient is exactly 0
+    idx = torch.randint(0, 50, (2, 16))
+    _, loss = model(idx, idx)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{n} gets no gradient"
+
+@pytest.mark.parametrize('name', PATHS)
+def test_loss_at_init_is_about_ln_vocab(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(**PATHS[name]))
+    idx, targets = torch.randint(0, 50, (2, 8, 16))
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(50)) < 0.1
+
+@pytest.mark.parametrize('name', ['standard', 'attnres-block', 'mhc', 'dar-cross-block'])
+def test_compiled_forward_equals_eager(name):
+    try:
+        import torch._inductor # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"torch.compile is unavailable here: {e}")
+    model = make(name, n_layer=2)
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model)(idx, idx)[0], full_logits(model, idx), atol=1e-5, rtol=1e-5)
+
+# -----------------------------------------------------------------------------
+# facts of each path
+
+def test_config_errors_are_one_line():
+    for kw, msg in [(dict(depth_block=0, residual='dar'), 'depth_block=0 must be >= 1'),
+                    (dict(dar_routing='self'), 'dar_routing=self needs residual=dar'),
+                    (dict(depth_block=2), 'depth_block=2 needs residual=attnres or dar'),
+                    (dict(residual='dar', depth_block=7), 'depth_block=7 exceeds'),
+                    (dict(residual='resnet'), 'residual=resnet is not one of'),
+                    (dict(residual='dar', two_phase=True, dar_routing='sepv'), 'two_phase=True does not support')]:
+        with pytest.raises(ValueError, match=msg):
+            tiny(**kw)
+
+def test_attnres_at_init_reads_a_uniform_mean():
+    torch.manual_seed(0)
+    for kw in (dict(), dict(depth_block=4)):
+        model = GPT(tiny(residual='attnres', **kw))
+        _, _, depth = model(torch.randint(0, 50, (2, 16)), return_depth=True)
+        assert len(depth['weights']) == 2 * model.config.n_layer + 1
+        for a in depth['weights']:
+            torch.testing.assert_close(a, torch.full_like(a, 1 / a.size(0)))
+
+@pytest.mark.parametrize('K', [1, 6])
+def test_attnres_at_init_equals_standard_residual(K):
+    """At zero queries a read is h_{l-1} / (number of candidates); the pre-norms and ln_f are
+    scale-invariant, so Full AttnRes and Block with K = L equal the standard residual up to the
+    norms' eps (unit-scale embeddings, so eps is negligible)."""
+    torch.manual_seed(0)
+    std = GPT(tiny(bias=True))
+    with torch.no_grad():
+        std.transformer.wte.weight.normal_()
+        std.transformer.wpe.weight.normal_()
+    ar = GPT(tiny(bias=True, residual='attnres', depth_block=K))
+    ar.load_state_dict(std.state_dict(), strict=False)
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(full_logits(ar, idx), full_logits(std, idx), atol=2e-3, rtol=2e-3)
+
+def one_step(model, seed=0):
+    torch.manual_seed(seed)
+    idx = torch.randint(0, 50, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(idx, idx)[1].backward()
+    opt.step()
+    return model
+
+def mhc_matrices(model, idx):
+    res, M = model.transformer.res, []
+    with torch.no_grad():
+        s = res.begin(embed(model, idx))
+        for l in range(2 * model.config.n_layer):
+            x = res.read(s, l)
+            M.append(s.M)
+            res.write(s, l, sublayer(model, l, x))
+    return torch.stack(M)
+
+@pytest.mark.parametrize('n, tol', [(2, 1e-5), (3, 1e-3)])
+def test_mhc_matrices_are_doubly_stochastic(n, tol):
+    """n = 2 (closed-form limit) to 1e-5; n = 3 runs the 20 iterations of the paper, which at
+    the near-identity init stop about 1e-4 short of doubly stochastic (see sinkhorn)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(residual='mhc', mhc_streams=n))
+    idx = torch.randint(0, 50, (4, 16))
+    for step in range(2):
+        M = mhc_matrices(model, idx)
+        torch.testing.assert_close(M.sum(-1), torch.ones_like(M[..., 0]), atol=tol, rtol=0)
+        torch.testing.assert_close(M.sum(-2), torch.ones_like(M[..., 0]), atol=1e-6, rtol=0)
+        assert (M >= 0).all()
+        one_step(model)
+
+def test_sinkhorn_closed_form_is_the_iteration_limit():
+    Z = torch.randn(100, 2, 2, dtype=torch.float64)
+    Z[50:] = 0.5 * Z[50:] + 6 * torch.eye(2, dtype=torch.float64) - 3 # near the mHC init
+    torch.testing.assert_close(sinkhorn(Z).double(), naive_sinkhorn(Z, iters=5000), atol=1e-6, rtol=0)
+
+
+def test_dar_streams_differ_after_a_step_and_routing_matters():
+    torch.manual_seed(0)
+    model = one_step(GPT(tiny(residual='dar', depth_block=2)))
+    self_kv = GPT(tiny(residual='dar', depth_block=2, dar_routing='self'))
+    self_kv.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        _, _, cross = model(idx, return_depth=True)
+        _, _, own = self_kv(idx, return_depth=True)
+    for h0, h1 in zip(*cross['H'][:2]):
+        if h0 is not cross['H'][0][0]: # the embedding entry is shared
+            assert not torch.allclose(h0, h1)
+    # the first read has one candidate; every later one must differ between the routings
+    assert any(not torch.allclose(a, b) for a, b in zip(cross['weights'], own['weights']))
+    assert all(not torch.allclose(a, b) for a, b in zip(cross['weights'][2:], own['weights'][2:]))
+
+def test_dar_without_symmetry_breaking_keeps_the_streams_identical():
+    """Why beta^1 gets a random init: with equal gates the two streams never separate."""
+    torch.manual_seed(0)
+    model = GPT(tiny(residual='dar', depth_block=2))
+    with torch.no_grad():
+        model.transformer.res.beta_logit.zero_()
+    one_step(model)
+    _, _, depth = model(torch.randint(0, 50, (2, 16)), return_depth=True)
+    for h0, h1 in zip(*depth['H']):
+        torch.testing.assert_close(h0, h1)
+
+def test_dar_fixed_routing_uses_stream0_keys_and_stream1_values_for_both_targets():
+    """With equal queries, FixedKV gives both targets the same read; cross routing does not."""
+    for routing, same in (('fixed', True), ('cross', False)):
+        model = make(f'dar-{routing}-block')
+        with torch.no_grad():
+            model.transformer.res.query[:, 1] = model.transformer.res.query[:, 0]
+        res = model.transformer.res
+        s = res.begin(embed(model, torch.randint(0, 50, (2, 16))))
+        with torch.no_grad():
+            for l in range(3):
+                res.write(s, l, sublayer(model, l, res.read(s, l)))
+            h0, h1 = res.read_stream(s, 3, 0), res.read_stream(s, 3, 1)
+        assert torch.allclose(h0, h1) == same
+
+def test_dar_ablating_a_stream_changes_the_loss():
+    model = make('dar-cross-block')
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        clean = model(idx, idx)[1]
+        assert model(idx, idx, ablate_stream=0)[1] != clean
+        assert model(idx, idx, ablate_stream=1)[1] != clean
+    with pytest.raises(ValueError, match='multi-stream'):
+        make('standard')(idx, idx, ablate_stream=0)
+
+# -----------------------------------------------------------------------------
+# train.py, sample.py, prepare_data.py
+
+def test_get_lr_schedule():
+    cfg = dict(train.DEFAULTS, learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, max_iters=100, lr_decay_iters=0)
+    assert train.get_lr(0, cfg) > 0
+    assert train.get_lr(9, cfg) < 1e-3
+    assert train.get_lr(10, cfg) == pytest.approx(1e-3)
+    assert train.get_lr(100, cfg) == pytest.approx(1e-4)
+    assert train.get_lr(500, cfg) == pytest.approx(1e-4)
+    assert train.get_lr(55, dict(cfg, decay_lr=False)) == 1e-3
+
+def run(args, cwd, env=None, check=True, module='train.py'):
+    cmd = [sys.executable, os.path.join(ROOT, module)] + args
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{p.stdout}\n{p.stderr}")
+    return p
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+    """A small char dataset made by prepare_data.py from a generated text (no ../shared needed)."""
+    d = tmp_path_factory.mktemp('work')
+    rng = np.random.default_rng(0)
+    words = ['the', 'king', 'queen', 'of', 'and', 'my', 'lord', 'shall', 'be', 'not', 'to', 'is']
+    lines = [' '.join(rng.choice(words, size=8)).capitalize() + '.' for _ in range(3000)]
+    (d / 'input.txt').write_text('\n'.join(lines) + '\n')
+    run(['--input=input.txt'], d, module='prepare_data.py')
+    return d
+
+SMALL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=4',
+         '--eval_iters=2', '--log_interval=1', '--warmup_iters=2', '--lr_decay_iters=12', '--device=cpu']
+
+def losses(stdout):
+    return [line.split(',')[0] for line in stdout.splitlines() if line.startswith('iter ')]
+
+def test_resume_equals_uninterrupted_run(workdir):
+    args = SMALL + ['--dropout=0.1', '--eval_interval=100']
+    full = run(args + ['--out_dir=full', '--max_iters=12'], workdir)
+    run(args + ['--out_dir=part', '--max_iters=6'], workdir)
+    resumed = run(args + ['--out_dir=part', '--max_iters=12', '--init_from=resume'], workdir)
+    assert losses(resumed.stdout) == losses(full.stdout)[6:]
+    a = torch.load(workdir / 'full' / 'ckpt.pt', weights_only=True)
+    b = torch.load(workdir / 'part' / 'ckpt.pt', weights_only=True)
+    assert a['iter_num'] == b['iter_num'] == 12
+    for k in a['model']:
+        assert torch.equal(a['model'][k], b['model'][k]), k
+
+def test_resume_with_another_path_fails_clearly(workdir):
+    run(SMALL + ['--out_dir=path', '--max_iters=2'], workdir)
+    p = run(SMALL + ['--out_dir=path', '--max_iters=4', '--init_from=resume', '--residual=attnres'], workdir, check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip() == f"error: {os.path.join('path', 'ckpt.pt')} was trained with residual='dar'; it cannot resume as residual='attnres'"
+
+def test_ddp_two_processes_equal_one(workdir):
+    args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100']
+    one = run(args + ['--out_dir=ddp1'], workdir)
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(ROOT, 'train.py')] + args + ['--out_dir=ddp2']
+    two = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr
+    l1 = [float(x.split()[-1]) for x in losses(one.stdout)]
+    l2 = [float(x.split()[-1]) for x in losses(two.stdout)]
+    assert len(l1) == len(l2) == 5
+    assert l1 == pytest.approx(l2, abs=2e-4)
+    a = torch.load(workdir / 'ddp1' / 'ckpt.pt', weights_only=True)['model']
+    b = torch.load(workdir / 'ddp2' / 'ckpt.pt', weights_only=True)['model']
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+def test_unknown_key_fails_with_one_line(workdir):
+    p = run(['--n_layers=2'], workdir, check=False)
+    assert p.returncode != 0
+    assert p.stderr.strip() == "error: unknown config key 'n_layers' (from --n_layers=2); did you mean 'n_layer'?"
+    p = run(['--n_layer=two'], workdir, check=False)
+    assert p.returncode != 0 and p.stderr.strip().count('\n') == 0 and 'should be of type int' in p.stderr
+
+def test_train_and_sample_smoke(workdir):
+    run(SMALL + ['--out_dir=smoke', '--max_iters=3'], workdir)
+    assert (workdir / 'smoke' / 'ckpt.pt').exists()
+    p = run(['--out_dir=smoke', '--num_samples=1', '--max_new_tokens=30', '--start=The king'], workdir, module='sample.py')
+    text = p.stdout.split('Loading meta')[1].splitlines()[1]
+    assert text.startswith('The king') and len(text) > len('The king')
+
+def test_prepare_counts_on_shared_text(tmp_path):
+    text = os.path.join(SHARED, 'data', 'tinyshakespeare', 'input.txt')
+    if not os.path.exists(text):
+        pytest.skip(f"{text} is absent: the token counts need the shared tiny Shakespeare copy")
+    run([f'--input={text}'], tmp_path, module='prepare_data.py')
+    run(['shakespeare', f'--input={text}', f"--gpt2_dir={os.path.join(SHARED, 'data', 'gpt2')}"], tmp_path, module='prepare_data.py')
+    sizes = {p: os.path.getsize(tmp_path / 'data' / p) // 2 for p in
+             ('shakespeare_char/train.bin', 'shakespeare_char/val.bin', 'shakespeare/train.bin', 'shakespeare/val.bin')}
+    assert sizes == {'shakespeare_char/train.bin': 1003854, 'shakespeare_char/val.bin': 111540,
+                     'shakespeare/train.bin': 301966, 'shakespeare/val.bin': 36059}
+    with open(tmp_path / 'data' / 'shakespeare_char' / 'meta.pkl', 'rb') as f:
+        assert pickle.load(f)['vocab_size'] == 65

@@ -1,0 +1,393 @@
+"""
+Train a dar-gpt model. The defaults below train Block DAR on shakespeare_char, sized for a
+laptop CPU. Override them with config files (python that sets the same names) and --key=value:
+
+$ python train.py
+$ python train.py config/shakespeare_char.py --residual=attnres --depth_block=4
+
+To run with DDP on 8 GPUs of one node:
+$ torchrun --standalone --nproc_per_node=8 train.py config/shakespeare_char.py
+"""
+
+import os
+import ast
+import sys
+import math
+import time
+import pickle
+import difflib
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from model import GPTConfig, GPT
+from prepare_data import fail
+
+# -----------------------------------------------------------------------------
+# default config values: Block DAR on shakespeare_char, small enough for 2 CPU cores
+# I/O
+out_dir = 'out'
+eval_interval = 250
+log_interval = 10
+eval_iters = 20 # batches per split in an eval
+eval_only = False # if True, script exits right after the first eval
+always_save_checkpoint = True # if True, always save a checkpoint after each eval
+init_from = 'scratch' # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+seed = 1337
+# data
+dataset = 'shakespeare_char'
+data_dir = 'data' # token files are read from data_dir/dataset/{train,val}.bin
+gradient_accumulation_steps = 1 # micro-batches per step, summed over all DDP ranks
+batch_size = 12 # micro-batch size per rank
+block_size = 64
+# model
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0 # for pretraining 0 is good, for finetuning try 0.1+
+bias = False # do we use bias inside LayerNorm and Linear layers?
+residual = 'dar' # standard | attnres | mhc | dar
+depth_block = 2 # attnres, dar: sublayers per depth block (1 = Full); 2 gives 4 blocks at n_layer=4
+include_partial = True # attnres, dar: the partial block is a read candidate
+two_phase = False # attnres, dar: batched reads of completed blocks (same result)
+dar_routing = 'cross' # dar: cross | self | crossv | fixed | sepv
+mhc_streams = 2 # mhc: number of streams
+# adamw optimizer
+learning_rate = 1e-3 # max learning rate
+max_iters = 2000 # total number of optimizer steps
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0 # clip gradients at this value, or disable if == 0.0
+# learning rate decay settings
+decay_lr = True # whether to decay the learning rate
+warmup_iters = 100 # how many steps to warm up for
+lr_decay_iters = 0 # steps of cosine decay; 0 means max_iters
+min_lr = 1e-4 # minimum learning rate, ~= learning_rate/10 per Chinchilla
+# system
+device = 'auto' # 'auto' (cuda, then mps, then cpu), or 'cpu', 'cuda', 'cuda:1', 'mps'
+dtype = 'auto' # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), or explicit
+compile = None # use PyTorch 2.0 to compile the model; None: on for CUDA, off elsewhere
+backend = 'auto' # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl', 'gloo'
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
+MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout', 'residual',
+              'depth_block', 'include_partial', 'two_phase', 'dar_routing', 'mhc_streams')
+
+def configure(defaults, argv):
+    """Config from defaults, then config files and --key=value overrides in the order given.
+    Returns the config dict and the set of keys that were set explicitly."""
+    config, given = dict(defaults), set()
+    for arg in argv:
+        if not arg.startswith('--'):
+            # a config file: python that assigns some of the keys
+            try:
+                with open(arg) as f:
+                    source = f.read()
+            except OSError as e:
+                fail(f"config file {arg}: {e.strerror}")
+            scope = {}
+            exec(source, {}, scope)
+            items = {k: v for k, v in scope.items() if not k.startswith('_')}
+        elif '=' not in arg:
+            fail(f"{arg}: overrides take the form --key=value")
+        else:
+            key, value = arg[2:].split('=', 1)
+            try:
+                value = ast.literal_eval(value) # 3 -> int, 1e-3 -> float, False -> bool
+            except (ValueError, SyntaxError):
+                pass # a plain string
+            items = {key: value}
+        for key, value in items.items():
+            if key not in defaults:
+                close = difflib.get_close_matches(key, defaults, n=1)
+                fail(f"unknown config key '{key}' (from {arg})" + (f"; did you mean '{close[0]}'?" if close else ""))
+            default = defaults[key]
+            if type(default) is float and type(value) is int:
+                value = float(value)
+            if default is not None and type(value) is not type(default):
+                fail(f"{key}={value!r} (from {arg}) should be of type {type(default).__name__}, not {type(value).__name__}")
+            config[key] = value
+            given.add(key)
+    return config, given
+
+def get_lr(it, cfg):
+    """Linear warmup (never 0, not even at step 0), then cosine decay to min_lr."""
+    if not cfg['decay_lr']:
+        return cfg['learning_rate']
+    decay_iters = cfg['lr_decay_iters'] or cfg['max_iters']
+    if it < cfg['warmup_iters']:
+        return cfg['learning_rate'] * (it + 1) / (cfg['warmup_iters'] + 1)
+    if it > decay_iters:
+        return cfg['min_lr']
+    ratio = (it - cfg['warmup_iters']) / max(1, decay_iters - cfg['warmup_iters'])
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio)) # coeff ranges 0..1
+    return cfg['min_lr'] + coeff * (cfg['learning_rate'] - cfg['min_lr'])
+
+def load_checkpoint(path):
+    """A checkpoint read safely (weights_only), or one clear line."""
+    if not os.path.exists(path):
+        fail(f"no checkpoint at {path} (check --out_dir)")
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        fail(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+
+def save_checkpoint(checkpoint, path):
+    """Write to a temp name, then rename: a crash never leaves a half-written ckpt.pt."""
+    tmp = path + '.tmp'
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+def resolve_device(device):
+    if device == 'auto':
+        if torch.cuda.is_available():
+            return 'cuda'
+        return 'mps' if torch.backends.mps.is_available() else 'cpu'
+    if device.startswith('cuda') and not torch.cuda.is_available():
+        fail(f"device={device} but CUDA is not available here (use --device=cpu or --device=auto)")
+    if device == 'mps' and not torch.backends.mps.is_available():
+        fail("device=mps but MPS is not available here (use --device=cpu or --device=auto)")
+    return device
+
+def open_split(data_dir, split, block_size):
+    """The token file of a split as a uint16 memmap, checked once."""
+    path = os.path.join(data_dir, f'{split}.bin')
+    if not os.path.exists(path):
+        fail(f"no {path}: prepare the data first (python prepare_data.py), or set --data_dir / --dataset")
+    n = os.path.getsize(path) // 2
+    if n <= block_size:
+        fail(f"{path} has {n} tokens, fewer than block_size+1 = {block_size + 1}")
+    return path, n
+
+def get_batch(path, ix, block_size, device):
+    # recreate np.memmap every batch to avoid a memory leak, as per
+    # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
+    data = np.memmap(path, dtype=np.uint16, mode='r')
+    x = torch.stack([torch.from_numpy((data[i:i+block_size]).astype(np.int64)) for i in ix.tolist()])
+    y = torch.stack([torch.from_numpy((data[i+1:i+1+block_size]).astype(np.int64)) for i in ix.tolist()])
+    if 'cuda' in device:
+        # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+def main(argv):
+    cfg, given = configure(DEFAULTS, argv)
+
+    # various inits, derived attributes, I/O setup
+    ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
+    device = resolve_device(cfg['device'])
+    if ddp:
+        rank, local_rank, world_size = int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), int(os.environ['WORLD_SIZE'])
+        if device.startswith('cuda'):
+            device = f'cuda:{local_rank}'
+            torch.cuda.set_device(device)
+        backend = cfg['backend'] if cfg['backend'] != 'auto' else ('nccl' if device.startswith('cuda') else 'gloo')
+        dist.init_process_group(backend=backend)
+    else:
+        rank, local_rank, world_size = 0, 0, 1
+    master_process = rank == 0 # this process will do logging, checkpointing etc.
+    accum = cfg['gradient_accumulation_steps']
+    if accum % world_size != 0:
+        fail(f"gradient_accumulation_steps={accum} is not divisible by the {world_size} DDP processes")
+    tokens_per_iter = accum * cfg['batch_size'] * cfg['block_size']
+    if master_process:
+        print(f"tokens per iteration will be: {tokens_per_iter:,}")
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+    device_type = 'cuda' if 'cuda' in device else device # for later use in torch.autocast
+    dtype = cfg['dtype']
+    if dtype == 'auto':
+        dtype = 'float32' if device_type != 'cuda' else ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16')
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        fail(f"dtype={dtype} is not one of auto, float32, bfloat16, float16")
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+    use_compile = cfg['compile'] if cfg['compile'] is not None else device_type == 'cuda'
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
+        torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
+
+    # data: every rank draws the same global batch from the same generator and takes its own
+    # micro-batches, so the data stream does not depend on the number of processes
+    data_dir = os.path.join(cfg['data_dir'], cfg['dataset'])
+    train_path, n_train = open_split(data_dir, 'train', cfg['block_size'])
+    val_path, n_val = open_split(data_dir, 'val', cfg['block_size'])
+    data_gen = torch.Generator().manual_seed(cfg['seed'])
+    meta_path = os.path.join(data_dir, 'meta.pkl')
+    meta_vocab_size = None
+    if os.path.exists(meta_path):
+        with open(meta_path, 'rb') as f:
+            meta_vocab_size = pickle.load(f)['vocab_size']
+        print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
+
+    # model init
+    torch.manual_seed(cfg['seed'])
+    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    if cfg['init_from'] == 'scratch':
+        model_args = {k: cfg[k] for k in MODEL_KEYS if k != 'vocab_size'}
+        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
+        try:
+            gptconf = GPTConfig(**model_args)
+        except ValueError as e:
+            fail(str(e))
+        model = GPT(gptconf)
+    elif cfg['init_from'] == 'resume':
+        print(f"Resuming training from {cfg['out_dir']}")
+        checkpoint = load_checkpoint(ckpt_path)
+        model_args = checkpoint['model_args']
+        # the architecture comes from the checkpoint; asking for another one is an error
+        for k in sorted(given & set(model_args)):
+            if cfg[k] != model_args[k]:
+                fail(f"{ckpt_path} was trained with {k}={model_args[k]!r}; it cannot resume as {k}={cfg[k]!r}")
+        if meta_vocab_size is not None and meta_vocab_size != model_args['vocab_size']:
+            fail(f"{meta_path} has vocab_size {meta_vocab_size} but {ckpt_path} has {model_args['vocab_size']}: another dataset?")
+        model = GPT.from_checkpoint(checkpoint)
+        iter_num = checkpoint['iter_num']
+        best_val_loss = checkpoint['best_val_loss']
+    else:
+        fail(f"init_from={cfg['init_from']} is not one of scratch, resume")
+    model.to(device)
+
+    # initialize a GradScaler. If enabled=False scaler is a no-op
+    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']), device_type)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        scaler.load_state_dict(checkpoint['scaler'])
+        rng = checkpoint['rng']
+        data_gen.set_state(rng['data'])
+        states = rng['torch'] if len(rng['torch']) == world_size else rng['torch'][:1] * world_size
+        torch.set_rng_state(states[rank][0])
+        if device_type == 'cuda' and states[rank][1] is not None:
+            torch.cuda.set_rng_state(states[rank][1])
+    else:
+        torch.manual_seed(cfg['seed'] + rank) # dropout differs per rank, weights came out the same
+    checkpoint = None # free up memory
+
+    raw_model = model
+    if use_compile:
+        print("compiling the model... (takes a ~minute)")
+        model = torch.compile(model)
+    if ddp:
+        model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
+
+    @torch.no_grad()
+    def estimate_loss():
+        """Mean loss of each split over eval_iters batches, the same batches at every eval."""
+        out = {}
+        model.eval()
+        for split, path, n in (('train', train_path, n_train), ('val', val_path, n_val)):
+            gen = torch.Generator().manual_seed(cfg['seed'] + 1)
+            ix = torch.randint(n - cfg['block_size'], (cfg['eval_iters'], cfg['batch_size']), generator=gen)
+            losses = torch.zeros(cfg['eval_iters'])
+            for k in range(cfg['eval_iters']):
+                X, Y = get_batch(path, ix[k], cfg['block_size'], device)
+                with ctx:
+                    logits, loss = raw_model(X, Y)
+                losses[k] = loss.item()
+            out[split] = losses.mean().item()
+        model.train()
+        return out
+
+    def rng_states():
+        """Dropout RNG of every rank (gathered), and the shared data generator."""
+        mine = (torch.get_rng_state(), torch.cuda.get_rng_state() if device_type == 'cuda' else None)
+        states = [mine]
+        if ddp:
+            states = [None] * world_size
+            dist.all_gather_object(states, (mine[0], mine[1].cpu() if mine[1] is not None else None))
+        return dict(torch=states, data=data_gen.get_state())
+
+    def checkpoint_now():
+        return {
+            'model': raw_model.state_dict(),
+            'optimizer': optimizer.state_dict(),
+            'scaler': scaler.state_dict(),
+            'model_args': model_args,
+            'iter_num': iter_num,
+            'best_val_loss': best_val_loss,
+            'config': cfg,
+            'rng': rng_states(),
+        }
+
+    # training loop
+    max_iters = cfg['max_iters']
+    bar = tqdm(total=max_iters, initial=iter_num, disable=not master_process, dynamic_ncols=True, leave=False)
+    t0 = time.time()
+    local_iter_num = 0 # number of iterations in the lifetime of this process
+    running_mfu = -1.0
+    while True:
+        # evaluate the loss on train/val sets and write checkpoints
+        last = iter_num >= max_iters
+        if iter_num % cfg['eval_interval'] == 0 or last:
+            checkpoint = checkpoint_now() if iter_num > 0 else None # every rank joins the RNG gather
+            if master_process:
+                losses = estimate_loss()
+                tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                if checkpoint is not None and (losses['val'] < best_val_loss or cfg['always_save_checkpoint']):
+                    best_val_loss = min(best_val_loss, losses['val'])
+                    checkpoint['best_val_loss'] = best_val_loss
+                    tqdm.write(f"saving checkpoint to {cfg['out_dir']}")
+                    save_checkpoint(checkpoint, ckpt_path)
+            checkpoint = None
+        if last or (iter_num == 0 and cfg['eval_only']):
+            break
+
+        # determine and set the learning rate for this iteration
+        lr = get_lr(iter_num, cfg)
+        for param_group in optimizer.param_groups:
+            param_group['lr'] = lr
+
+        # forward backward update, with optional gradient accumulation to simulate larger batch size.
+        # This rank's micro-batches of the global batch; DDP syncs gradients only on the last one.
+        ix = torch.randint(n_train - cfg['block_size'], (accum, cfg['batch_size']), generator=data_gen)[rank::world_size]
+        train_loss = torch.zeros((), device=device)
+        for micro_step, ix_micro in enumerate(ix):
+            X, Y = get_batch(train_path, ix_micro, cfg['block_size'], device)
+            sync = nullcontext() if not ddp or micro_step == len(ix) - 1 else model.no_sync()
+            with sync:
+                with ctx:
+                    logits, loss = model(X, Y)
+                    loss = loss / len(ix) # scale the loss to account for gradient accumulation
+                # backward pass, with gradient scaling if training in fp16
+                scaler.scale(loss).backward()
+            train_loss += loss.detach()
+        # clip the gradient
+        if cfg['grad_clip'] != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+        # step the optimizer and scaler if training in fp16
+        scaler.step(optimizer)
+        scaler.update()
+        # flush the gradients as soon as we can, no need for this memory anymore
+        optimizer.zero_grad(set_to_none=True)
+
+        # timing and logging
+        t1 = time.time()
+        dt, t0 = t1 - t0, t1
+        iter_num += 1
+        local_iter_num += 1
+        if iter_num % cfg['log_interval'] == 0:
+            if ddp: # the mean loss over all ranks' micro-batches
+                dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
+            if master_process:
+                lossf = train_loss.item()
+                line = f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt*1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s"
+                mfu = raw_model.estimate_mfu(cfg['batch_size'] * len(ix), dt) if local_iter_num >= 5 else None
+                if mfu is not None:
+                    running_mfu = mfu if running_mfu == -1.0 else 0.9*running_mfu + 0.1*mfu
+                    line += f", mfu {running_mfu*100:.2f}%"
+                tqdm.write(line)
+                bar.set_postfix(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}")
+        bar.update(1)
+    bar.close()
+    if ddp:
+        dist.destroy_process_group()
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
