@@ -42,6 +42,14 @@ class GPTConfig:
     two_phase: bool = False # attnres, dar: read a block's completed entries for all its sublayers at once
     dar_routing: str = 'cross' # dar: cross | self | crossv | fixed | sepv
     mhc_streams: int = 2 # mhc: number of streams n
+    # mixture of experts: n_expert > 0 turns the MLP of every moe_every-th layer into an MoE
+    n_expert: int = 0 # routed experts per MoE layer; 0 = dense MLP everywhere
+    n_expert_active: int = 2 # top-k: routed experts per token
+    n_shared_expert: int = 0 # always-on experts per MoE layer
+    expert_hidden: int = 0 # hidden width of one expert; 0 = 4 * n_embd
+    moe_aux_loss_coef: float = 0.01 # load-balancing loss weight
+    moe_z_loss_coef: float = 0.001 # router z-loss weight
+    moe_every: int = 1 # MoE in layers moe_every-1, 2*moe_every-1, ...; the others stay dense
 
     def __post_init__(self):
         depth = self.residual in ('attnres', 'dar')
@@ -58,6 +66,9 @@ class GPTConfig:
             (self.residual == 'dar' or self.dar_routing == 'cross', f"dar_routing={self.dar_routing} needs residual=dar"),
             (self.mhc_streams >= 1, f"mhc_streams={self.mhc_streams} must be >= 1"),
             (self.residual == 'mhc' or self.mhc_streams == 2, f"mhc_streams={self.mhc_streams} needs residual=mhc"),
+            (self.n_expert >= 0 and self.n_shared_expert >= 0 and self.expert_hidden >= 0, "n_expert, n_shared_expert and expert_hidden must be >= 0"),
+            (self.n_expert == 0 or 1 <= self.n_expert_active <= self.n_expert, f"n_expert_active={self.n_expert_active} must be in 1..n_expert={self.n_expert}"),
+            (self.moe_every >= 1, f"moe_every={self.moe_every} must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -100,15 +111,71 @@ class CausalSelfAttention(nn.Module):
 
 class MLP(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, hidden=None):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        hidden = hidden or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+class MoE(nn.Module):
+    """Sparse top-k mixture of expert MLPs, plus optional always-on shared experts.
+    The router's softmax runs in fp32; each token goes to its top k experts, with gates
+    renormalised over the chosen k. There is no capacity limit, so no token is dropped and a
+    token's output never depends on the other tokens of the batch."""
+
+    def __init__(self, config):
+        super().__init__()
+        E, C = config.n_expert, config.n_embd
+        H = config.expert_hidden or 4 * C
+        self.k = config.n_expert_active
+        self.router = nn.Linear(C, E, bias=False)
+        # the experts' weights, stacked: expert e computes gelu(x @ c_fc[e] + b_fc[e]) @ c_proj[e] + b_proj[e]
+        self.c_fc = nn.Parameter(torch.randn(E, C, H) * 0.02)
+        self.c_proj = nn.Parameter(torch.randn(E, H, C) * 0.02 / math.sqrt(2 * config.n_layer))
+        self.b_fc = nn.Parameter(torch.zeros(E, H)) if config.bias else None
+        self.b_proj = nn.Parameter(torch.zeros(E, C)) if config.bias else None
+        # n always-on experts of width H are one MLP of width n*H
+        self.shared = MLP(config, config.n_shared_expert * H) if config.n_shared_expert else None
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        """The output (B, T, C) and the router statistics: load-balancing loss, z-loss, expert load."""
+        B, T, C = x.size()
+        x = x.reshape(-1, C) # (N, C) tokens
+        E, k = self.c_fc.size(0), self.k
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float()) # (N, E)
+        probs = logits.softmax(-1)
+        gate, expert = probs.topk(k, dim=-1) # (N, k)
+        # g_i = p_i / sum_{top-k} p
+        gate = gate / gate.sum(-1, keepdim=True)
+        # group the N*k (token, expert) slots by expert: one matmul per expert over its tokens
+        # (a loop over experts, not over tokens; the per-expert counts are data-dependent, so
+        # torch.compile breaks its graph here)
+        order = expert.view(-1).argsort(stable=True) # (N*k,) slots sorted by expert
+        token = order // k
+        counts = torch.bincount(expert.view(-1), minlength=E)
+        xs = x[token].split(counts.tolist())
+        ys = []
+        for e, xe in enumerate(xs):
+            h = xe @ self.c_fc[e] + (self.b_fc[e] if self.b_fc is not None else 0)
+            ys.append(F.gelu(h) @ self.c_proj[e] + (self.b_proj[e] if self.b_proj is not None else 0))
+        # y = sum_{i in top-k} g_i expert_i(x)
+        weighted = torch.cat(ys) * gate.view(-1)[order].unsqueeze(-1).to(x.dtype)
+        y = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        # load balance = E * sum_e f_e P_e: f_e fraction of the slots routed to e, P_e mean router prob
+        f = counts.float() / counts.sum()
+        balance = E * (f * probs.mean(0)).sum()
+        # z-loss = mean over tokens of logsumexp(router logits)^2
+        z = torch.logsumexp(logits, -1).pow(2).mean()
+        return self.dropout(y.view(B, T, C)), dict(balance=balance, z=z, load=f.detach())
 
 class Block(nn.Module):
     """One layer: two sublayers with their pre-norms. How they connect is the residual path's job."""
@@ -118,7 +185,8 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.moe = config.n_expert > 0 and layer % config.moe_every == config.moe_every - 1
+        self.mlp = MoE(config) if self.moe else MLP(config)
 
 class KVCache:
     """Keys and values of every layer for generation. Depth reads act per token, so no
@@ -473,6 +541,7 @@ class GPT(nn.Module):
             res = residual(config), # no parameters for the standard path: nanoGPT's state_dict
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.moe_stats = None # MoE: the last forward's LM loss, router losses and expert load (n_moe_layers, E)
         # weight tying (https://paperswithcode.com/method/weight-tying)
         self.transformer.wte.weight = self.lm_head.weight
         # init all weights, then the scaled init of the residual projections, per GPT-2 paper.
@@ -482,12 +551,19 @@ class GPT(nn.Module):
             if pn.endswith('c_proj.weight'):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02/math.sqrt(2 * config.n_layer))
 
-    def get_num_params(self, non_embedding=True):
+    def get_num_params(self, non_embedding=True, active=False):
         """Number of parameters; the position embeddings are subtracted by default. The token
-        embeddings are counted, since they are tied to the final layer's weights."""
+        embeddings are counted, since they are tied to the final layer's weights. active=True
+        counts only the n_expert_active routed experts a token uses in each MoE layer."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n_params -= self.transformer.wpe.weight.numel()
+        if active:
+            for block in self.transformer.h:
+                if block.moe:
+                    experts = [block.mlp.c_fc, block.mlp.c_proj, block.mlp.b_fc, block.mlp.b_proj]
+                    per_expert = sum(p[0].numel() for p in experts if p is not None)
+                    n_params -= (self.config.n_expert - self.config.n_expert_active) * per_expert
         return n_params
 
     def _init_weights(self, module):
@@ -512,15 +588,27 @@ class GPT(nn.Module):
         e = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)) # (b, t, n_embd)
         res = self.transformer.res
         s = res.begin(e, record=return_depth, ablate=ablate_stream)
+        router_stats = [] # of the MoE layers
         for i, block in enumerate(self.transformer.h):
             s = res.write(s, 2 * i, block.attn(block.ln_1(res.read(s, 2 * i)), cache))
-            s = res.write(s, 2 * i + 1, block.mlp(block.ln_2(res.read(s, 2 * i + 1))))
+            y = block.mlp(block.ln_2(res.read(s, 2 * i + 1)))
+            if block.moe:
+                y, stats = y
+                router_stats.append(stats)
+            s = res.write(s, 2 * i + 1, y)
         x = self.transformer.ln_f(res.end(s))
         if cache is not None:
             cache.pos += t
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            if router_stats:
+                # loss = LM loss + c_aux * load balance + c_z * z-loss, each averaged over MoE layers
+                balance = torch.stack([r['balance'] for r in router_stats]).mean()
+                z = torch.stack([r['z'] for r in router_stats]).mean()
+                self.moe_stats = dict(lm=loss.detach(), balance=balance.detach(), z=z.detach(),
+                                      load=torch.stack([r['load'] for r in router_stats])) # for logging
+                loss = loss + self.config.moe_aux_loss_coef * balance + self.config.moe_z_loss_coef * z
         else:
             # inference-time mini-optimization: only forward the lm_head on the very last position
             logits = self.lm_head(x[:, [-1], :]) # note: using list [-1] to preserve the time dim
@@ -568,7 +656,7 @@ class GPT(nn.Module):
         peak = peak_flops()
         if peak is None:
             return None
-        N = self.get_num_params()
+        N = self.get_num_params(active=True)
         cfg = self.config
         L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
         flops_per_token = 6*N + 12*L*H*Q*T

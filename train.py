@@ -56,6 +56,13 @@ include_partial = True # attnres, dar: the partial block is a read candidate
 two_phase = False # attnres, dar: batched reads of completed blocks (same result)
 dar_routing = 'cross' # dar: cross | self | crossv | fixed | sepv
 mhc_streams = 2 # mhc: number of streams
+n_expert = 0 # MoE: routed experts per MoE layer; 0 = dense MLP
+n_expert_active = 2 # MoE: top-k experts per token
+n_shared_expert = 0 # MoE: always-on experts per MoE layer
+expert_hidden = 0 # MoE: hidden width of one expert; 0 = 4*n_embd
+moe_aux_loss_coef = 0.01 # MoE: load-balancing loss weight
+moe_z_loss_coef = 0.001 # MoE: router z-loss weight
+moe_every = 1 # MoE: every n-th layer is MoE, the others dense
 # adamw optimizer
 learning_rate = 1e-3 # max learning rate
 max_iters = 2000 # total number of optimizer steps
@@ -76,7 +83,8 @@ backend = 'auto' # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl', 'glo
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout', 'residual',
-              'depth_block', 'include_partial', 'two_phase', 'dar_routing', 'mhc_streams')
+              'depth_block', 'include_partial', 'two_phase', 'dar_routing', 'mhc_streams', 'n_expert',
+              'n_expert_active', 'n_shared_expert', 'expert_hidden', 'moe_aux_loss_coef', 'moe_z_loss_coef', 'moe_every')
 
 def configure(defaults, argv):
     """Config from defaults, then config files and --key=value overrides in the order given.
@@ -278,19 +286,25 @@ def main(argv):
 
     @torch.no_grad()
     def estimate_loss():
-        """Mean loss of each split over eval_iters batches, the same batches at every eval."""
+        """Mean LM loss of each split over eval_iters batches, the same batches at every eval;
+        with MoE also the mean router losses and expert load on val."""
         out = {}
         model.eval()
         for split, path, n in (('train', train_path, n_train), ('val', val_path, n_val)):
             gen = torch.Generator().manual_seed(cfg['seed'] + 1)
             ix = torch.randint(n - cfg['block_size'], (cfg['eval_iters'], cfg['batch_size']), generator=gen)
-            losses = torch.zeros(cfg['eval_iters'])
+            losses, router = [], []
             for k in range(cfg['eval_iters']):
                 X, Y = get_batch(path, ix[k], cfg['block_size'], device)
                 with ctx:
                     logits, loss = raw_model(X, Y)
-                losses[k] = loss.item()
-            out[split] = losses.mean().item()
+                if raw_model.moe_stats is not None:
+                    loss = raw_model.moe_stats['lm']
+                    router.append(raw_model.moe_stats)
+                losses.append(loss.item())
+            out[split] = sum(losses) / len(losses)
+            if router:
+                out['router'] = {key: torch.stack([r[key] for r in router]).mean(0) for key in router[0]}
         model.train()
         return out
 
@@ -328,7 +342,12 @@ def main(argv):
             checkpoint = checkpoint_now() if iter_num > 0 else None # every rank joins the RNG gather
             if master_process:
                 losses = estimate_loss()
-                tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                line = f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                if 'router' in losses:
+                    r = losses['router']
+                    load = ' | '.join(' '.join(f"{100 * f:.0f}" for f in layer) for layer in r['load'].tolist())
+                    line += f", val balance {r['balance']:.4f}, val z {r['z']:.4f}\n  expert load (% of slots, per MoE layer): {load}"
+                tqdm.write(line)
                 if checkpoint is not None and (losses['val'] < best_val_loss or cfg['always_save_checkpoint']):
                     best_val_loss = min(best_val_loss, losses['val'])
                     checkpoint['best_val_loss'] = best_val_loss
@@ -378,6 +397,9 @@ def main(argv):
             if master_process:
                 lossf = train_loss.item()
                 line = f"iter {iter_num}: loss {lossf:.4f}, lr {lr:.2e}, time {dt*1000:.2f}ms, {tokens_per_iter / dt:,.0f} tok/s"
+                if raw_model.moe_stats is not None: # of the last micro-batch
+                    r = raw_model.moe_stats
+                    line += f", lm {r['lm']:.4f}, balance {r['balance']:.4f}, z {r['z']:.4f}"
                 mfu = raw_model.estimate_mfu(cfg['batch_size'] * len(ix), dt) if local_iter_num >= 5 else None
                 if mfu is not None:
                     running_mfu = mfu if running_mfu == -1.0 else 0.9*running_mfu + 0.1*mfu
