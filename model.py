@@ -390,8 +390,8 @@ class MHC(nn.Module):
             s.post = 2 * torch.sigmoid(s_post * z[..., n:2 * n] + self.b_post[l]) # (B, T, n)
             # M = Sinkhorn(s_res * xf @ W_res + B_res)
             s.M = sinkhorn(s_res * z[..., 2 * n:].unflatten(-1, (n, n)) + self.B_res[l]) # (B, T, n, n)
-        if s.ablate is not None: # analysis: stream s.ablate's contribution to the read removed
-            pre = pre.index_fill(-1, torch.tensor([s.ablate], device=pre.device), 0.0)
+        if s.ablate is not None: # analysis: these streams' contributions to the read removed
+            pre = pre.index_fill(-1, torch.tensor(s.ablate, device=pre.device), 0.0)
         if s.weights is not None:
             s.weights.append(pre.detach().permute(2, 0, 1)) # (n, B, T)
         # x = sum_i pre_i X_i
@@ -486,8 +486,8 @@ class DAR(nn.Module):
         if s.weights is not None:
             s.weights.append([])
         h = [self.read_stream(s, l, j) for j in (0, 1)]
-        if s.ablate is not None: # analysis: stream s.ablate's read replaced by zeros
-            h[s.ablate] = torch.zeros_like(h[s.ablate])
+        for j in s.ablate or (): # analysis: these streams' reads replaced by zeros
+            h[j] = torch.zeros_like(h[j])
         if s.weights is not None:
             s.weights[-1] = torch.stack(s.weights[-1]) # (2, R, B, T)
         alpha = torch.sigmoid(self.alpha_logit[l])
@@ -577,9 +577,12 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None, return_depth=False, ablate_stream=None):
         """Logits for the last position (all positions when targets are given), the loss, and
         with return_depth a dict of the depth read weights and stream histories. ablate_stream=j
-        (dar, mhc) replaces stream j's read by zeros at every sublayer, for the rescue analysis."""
+        or (j, ...) (dar, mhc) replaces those streams' reads by zeros at every sublayer, for the
+        rescue analysis."""
         if ablate_stream is not None and self.config.residual not in ('dar', 'mhc'):
             raise ValueError(f"ablate_stream needs a multi-stream path (dar or mhc), not residual={self.config.residual}")
+        if isinstance(ablate_stream, int):
+            ablate_stream = (ablate_stream,)
         device = idx.device
         b, t = idx.size()
         past = cache.pos if cache is not None else 0

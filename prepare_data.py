@@ -5,15 +5,24 @@ Prepare a dataset as nanoGPT does: uint16 token files train.bin / val.bin in dat
   python prepare_data.py shakespeare          # GPT-2 BPE through tiktoken
   python prepare_data.py --input=my.txt       # any UTF-8 text instead of the download
 
+Large corpora become shards data/<name>/{val,train}_NNNNNN.bin of --shard_tokens tokens,
+GPT-2 BPE with <|endoftext|> before every document, tokenised by --num_proc processes:
+
+  python prepare_data.py fineweb_edu          # HuggingFaceFW/fineweb-edu sample-10BT (pip install datasets)
+  python prepare_data.py openwebtext          # Skylion007/openwebtext (pip install datasets)
+  python prepare_data.py docs --input=my.jsonl  # local JSON lines, one document per line in "text"
+
 Offline, pass the text with --input and the GPT-2 vocabulary folder (vocab.bpe +
 encoder.json) with --gpt2_dir or the DAR_GPT2_DIR environment variable.
 """
 import os
 import sys
+import json
 import pickle
 import hashlib
 import argparse
 import urllib.request
+import multiprocessing as mp
 
 import numpy as np
 from tqdm import tqdm
@@ -128,17 +137,91 @@ def prepare_char(text):
 def prepare_bpe(text, enc):
     return [i for piece in pieces(text) for i in enc.encode_ordinary(piece)]
 
+HF_CORPORA = { # name: (Hugging Face dataset, configuration)
+    'fineweb_edu': ('HuggingFaceFW/fineweb-edu', 'sample-10BT'),
+    'openwebtext': ('Skylion007/openwebtext', None),
+}
+
+def documents(name, path):
+    """The documents of a large corpus, one string each, streamed."""
+    if name == 'docs':
+        if not path:
+            fail("docs needs --input=FILE: JSON lines with one document per line in \"text\"")
+        try:
+            with open(path, encoding='utf-8') as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            yield json.loads(line)['text']
+                        except (ValueError, KeyError, TypeError):
+                            fail(f"--input {path}, line {n}: not a JSON object with a \"text\" field")
+        except OSError as e:
+            fail(f"--input {path}: {e.strerror}")
+        return
+    try:
+        import datasets
+    except ImportError:
+        fail(f"{name} needs Hugging Face datasets: pip install datasets")
+    repo, config = HF_CORPORA[name]
+    for doc in datasets.load_dataset(repo, name=config, split='train', streaming=True):
+        yield doc['text']
+
+ENCODING = None # the GPT-2 encoding of each tokeniser process
+
+def init_worker(gpt2_dir):
+    global ENCODING
+    ENCODING = gpt2_encoding(gpt2_dir)
+
+def tokenize_document(text):
+    # <|endoftext|> first: it separates this document from the one before
+    return np.array([ENCODING.eot_token] + ENCODING.encode_ordinary(text), dtype=np.uint16)
+
+def write_shards(docs, out, gpt2_dir, shard_tokens, num_proc):
+    """Tokenise docs in num_proc processes into shards of shard_tokens tokens: the first is val,
+    the rest train. Returns the number of tokens written."""
+    shard, fill, index, total = np.empty(shard_tokens, dtype=np.uint16), 0, 0, 0
+    def flush(n):
+        nonlocal index
+        write_tokens(os.path.join(out, f"{'val' if index == 0 else 'train'}_{index:06d}.bin"), shard[:n])
+        index += 1
+    with mp.Pool(num_proc, initializer=init_worker, initargs=(gpt2_dir,)) as pool:
+        for tokens in tqdm(pool.imap(tokenize_document, docs, chunksize=16), desc='tokenising', unit='docs'):
+            total += len(tokens)
+            while len(tokens):
+                take = min(shard_tokens - fill, len(tokens))
+                shard[fill:fill + take] = tokens[:take]
+                fill, tokens = fill + take, tokens[take:]
+                if fill == shard_tokens:
+                    flush(fill)
+                    fill = 0
+    if fill:
+        flush(fill)
+    if index < 2:
+        fail(f"only {total:,} tokens: less than one val shard plus one train shard of --shard_tokens={shard_tokens:,}")
+    return total
+
 def split_text(text):
     n = len(text)
     return text[:int(n * 0.9)], text[int(n * 0.9):]
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('dataset', nargs='?', default='shakespeare_char', choices=['shakespeare_char', 'shakespeare'])
+    parser.add_argument('dataset', nargs='?', default='shakespeare_char',
+                        choices=['shakespeare_char', 'shakespeare', 'docs', *HF_CORPORA])
     parser.add_argument('--input', help='UTF-8 text file to use instead of downloading tiny Shakespeare')
     parser.add_argument('--gpt2_dir', help='folder with GPT-2 vocab.bpe + encoder.json (or env DAR_GPT2_DIR)')
     parser.add_argument('--data_dir', default='data', help='parent folder of the output folder data/<dataset>')
+    parser.add_argument('--shard_tokens', type=int, default=100_000_000, help='tokens per shard of a large corpus')
+    parser.add_argument('--num_proc', type=int, default=max(1, os.cpu_count() // 2), help='tokeniser processes')
     args = parser.parse_args(argv)
+
+    if args.dataset in ('docs', *HF_CORPORA):
+        out = os.path.join(args.data_dir, args.dataset)
+        os.makedirs(out, exist_ok=True)
+        gpt2_encoding(args.gpt2_dir) # fail here, once, if the vocabulary is missing
+        total = write_shards(documents(args.dataset, args.input), out, args.gpt2_dir, args.shard_tokens, args.num_proc)
+        print(f"wrote {total:,} tokens to {out}/{{val,train}}_*.bin")
+        return
 
     text = read_text(args.input)
     print(f"length of dataset in characters: {len(text):,}")

@@ -6,7 +6,9 @@ loops over sublayers and candidates and softmax by explicit exp / sum.
 """
 import os
 import sys
+import json
 import math
+import re
 import copy
 import pickle
 import subprocess
@@ -675,3 +677,110 @@ def test_moe_active_parameter_count():
     model = GPT(tiny(n_expert=4, n_expert_active=1, expert_hidden=24))
     per_expert = 2 * 32 * 24
     assert model.get_num_params() - model.get_num_params(active=True) == 3 * per_expert * 3
+
+# -----------------------------------------------------------------------------
+# analyze.py
+
+import analyze
+
+def test_cka_properties():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2000, 16, generator=g, dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(16, 16, generator=g, dtype=torch.float64))
+    assert analyze.cka(X, X) == pytest.approx(1.0)
+    assert analyze.cka(X, X @ Q) == pytest.approx(1.0) # invariant to an orthogonal transform
+    assert analyze.cka(X, 3.7 * X + 1.0) == pytest.approx(1.0) # and to isotropic scaling (and shifts)
+    assert analyze.cka(X, torch.randn(2000, 16, generator=g, dtype=torch.float64)) < 0.02 # independent
+
+def test_rescue_ablation_only_for_two_stream_paths():
+    idx = torch.randint(0, 50, (2, 2, 16))
+    batches = [(idx[0], idx[1])]
+    for name in ('dar-cross-block', 'mhc'):
+        r = analyze.rescue(make(name), batches)
+        assert r['ablate'][0] != r['clean'] and r['ablate'][1] != r['clean'] and r['ablate_both'] != r['clean']
+    with pytest.raises(ValueError, match='the rescue analysis needs two streams'):
+        analyze.rescue(make('standard'), batches)
+
+@pytest.mark.parametrize('residual', ['dar', 'standard'])
+def test_analyze_runs_on_a_tiny_checkpoint(workdir, residual):
+    out = f'an-{residual}'
+    run(SMALL + [f'--out_dir={out}', '--max_iters=2', f'--residual={residual}',
+                 '--depth_block=' + ('2' if residual == 'dar' else '1')], workdir)
+    p = run([f'--ckpt={out}/ckpt.pt', f'--out={out}', '--batches=2', '--batch_size=2'], workdir, module='analyze.py')
+    with open(workdir / out / 'analysis.json') as f:
+        results = json.load(f)
+    assert results['residual'] == residual and results['val_loss'] > 0
+    if residual == 'dar':
+        assert len(results['depth_weights']) == 2 and len(results['cka']['paired']) == 3 # e + 2 blocks
+        assert set(results['rescue']) >= {'clean', 'ablate', 'ablate_both', 'keep_recovers'}
+        try:
+            import matplotlib # noqa: F401
+            assert all(os.path.exists(workdir / f) for f in results['plots']) and len(results['plots']) == 3
+        except ImportError:
+            assert 'depth read weights, stream 0' in p.stdout
+
+# -----------------------------------------------------------------------------
+# bad input: one clear line and a non-zero exit; no lost work
+
+def last_line(stderr):
+    return stderr.replace('\r', '\n').strip().splitlines()[-1]
+
+def test_bad_inputs_fail_with_one_line(workdir, tmp_path):
+    run(SMALL + ['--out_dir=bad', '--max_iters=2'], workdir)
+    (tmp_path / 'short').mkdir()
+    np.zeros(10, dtype=np.uint16).tofile(tmp_path / 'short' / 'train.bin')
+    np.zeros(10, dtype=np.uint16).tofile(tmp_path / 'short' / 'val.bin')
+    truncated = tmp_path / 'trunc'
+    truncated.mkdir()
+    data = (workdir / 'bad' / 'ckpt.pt').read_bytes()
+    (truncated / 'ckpt.pt').write_bytes(data[:len(data) // 2])
+    (tmp_path / 'other').mkdir()
+    with open(tmp_path / 'other' / 'meta.pkl', 'wb') as f:
+        pickle.dump(dict(vocab_size=99), f)
+    for src in ('train.bin', 'val.bin'):
+        (tmp_path / 'other' / src).write_bytes((workdir / 'data' / 'shakespeare_char' / src).read_bytes())
+    cases = [
+        (['--batch_size=big'], "error: batch_size='big' (from --batch_size=big) should be of type int, not str"),
+        (['--learning_rate'], "error: --learning_rate: overrides take the form --key=value"),
+        (['--dataset=nope'], f"error: no {os.path.join('data', 'nope', 'train.bin')}: prepare the data first"),
+        ([f'--data_dir={tmp_path}', '--dataset=short'], f"error: {tmp_path / 'short' / 'train.bin'} has 10 tokens, fewer than block_size+1 = 17"),
+        (['--out_dir=nothing', '--init_from=resume'], f"error: no checkpoint at {os.path.join('nothing', 'ckpt.pt')}"),
+        ([f'--out_dir={truncated}', '--init_from=resume'], f"error: {truncated / 'ckpt.pt'} is not a readable checkpoint"),
+        (['--out_dir=bad', '--init_from=resume', f'--data_dir={tmp_path}', '--dataset=other'],
+         f"error: {tmp_path / 'other' / 'meta.pkl'} has vocab_size 99 but {os.path.join('bad', 'ckpt.pt')} has"),
+        (['--out_dir=bad', '--init_from=resume', '--residual=mhc', '--depth_block=1'],
+         f"error: {os.path.join('bad', 'ckpt.pt')} was trained with depth_block=2; it cannot resume as depth_block=1"),
+        (['--device=cuda'], "error: device=cuda but CUDA is not available here"),
+        (['--residual=dar', '--depth_block=0'], "error: depth_block=0 must be >= 1"),
+    ]
+    for args, message in cases:
+        p = run(SMALL + ['--max_iters=2'] + args, workdir, check=False)
+        assert p.returncode == 1, (args, p.stderr)
+        assert last_line(p.stderr).startswith(message), (args, last_line(p.stderr))
+        assert 'Traceback' not in p.stderr
+    p = run(['--out_dir=bad', '--start=Zebra {x}', '--num_samples=1'], workdir, check=False, module='sample.py')
+    assert p.returncode == 1
+    assert last_line(p.stderr).startswith("error: the prompt has characters outside the vocabulary of") and p.stderr.strip().endswith("'Zx{}'")
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir):
+    cmd = [sys.executable, os.path.join(ROOT, 'train.py')] + SMALL + ['--out_dir=sig', '--max_iters=100000', '--eval_interval=100000']
+    p = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in p.stdout: # wait until training runs
+        if line.startswith('iter 3:'):
+            break
+    p.send_signal(subprocess.signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0
+    stop = [l for l in out.splitlines() if l.startswith('stopped by SIGTERM')]
+    assert stop, out
+    ckpt = torch.load(workdir / 'sig' / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] >= 3 and f"iteration {ckpt['iter_num']};" in stop[0]
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
+    run(SMALL + ['--out_dir=nan', '--max_iters=3'], workdir)
+    before = (workdir / 'nan' / 'ckpt.pt').read_bytes()
+    p = run(SMALL + ['--out_dir=nan', '--max_iters=10', '--init_from=resume', '--learning_rate=1e30',
+                     '--always_save_checkpoint=False'], workdir, check=False)
+    assert p.returncode == 1
+    assert re.fullmatch(r"error: loss is (nan|inf) at iter \d+: stopping; \S+ keeps the last good checkpoint", last_line(p.stderr))
+    assert (workdir / 'nan' / 'ckpt.pt').read_bytes() == before

@@ -12,9 +12,11 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/shakespeare_char.py
 import os
 import ast
 import sys
+import glob
 import math
 import time
 import pickle
+import signal
 import difflib
 from contextlib import nullcontext
 
@@ -22,6 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+    get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from tqdm import tqdm
 
 from model import GPTConfig, GPT
@@ -80,6 +86,8 @@ device = 'auto' # 'auto' (cuda, then mps, then cpu), or 'cpu', 'cuda', 'cuda:1',
 dtype = 'auto' # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), or explicit
 compile = None # use PyTorch 2.0 to compile the model; None: on for CUDA, off elsewhere
 backend = 'auto' # DDP backend: 'auto' (nccl on CUDA, gloo on CPU), 'nccl', 'gloo'
+fsdp = False # under torchrun: shard parameters, gradients and optimizer state with FSDP2 instead of DDP
+activation_checkpointing = False # recompute each attention / MLP branch in the backward pass to save memory
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout', 'residual',
@@ -163,21 +171,30 @@ def resolve_device(device):
     return device
 
 def open_split(data_dir, split, block_size):
-    """The token file of a split as a uint16 memmap, checked once."""
+    """The uint16 token files of a split: data_dir/split.bin, or the shards data_dir/split_*.bin
+    of a large corpus. Returns [(path, number of windows of block_size + 1 tokens)]."""
     path = os.path.join(data_dir, f'{split}.bin')
-    if not os.path.exists(path):
+    paths = [path] if os.path.exists(path) else sorted(glob.glob(os.path.join(data_dir, f'{split}_*.bin')))
+    if not paths:
         fail(f"no {path}: prepare the data first (python prepare_data.py), or set --data_dir / --dataset")
-    n = os.path.getsize(path) // 2
-    if n <= block_size:
-        fail(f"{path} has {n} tokens, fewer than block_size+1 = {block_size + 1}")
-    return path, n
+    n = [os.path.getsize(p) // 2 for p in paths]
+    if max(n) <= block_size:
+        fail(f"{paths[0]} has {max(n)} tokens, fewer than block_size+1 = {block_size + 1}")
+    return [(p, k - block_size) for p, k in zip(paths, n) if k > block_size]
 
-def get_batch(path, ix, block_size, device):
-    # recreate np.memmap every batch to avoid a memory leak, as per
-    # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
-    data = np.memmap(path, dtype=np.uint16, mode='r')
-    x = torch.stack([torch.from_numpy((data[i:i+block_size]).astype(np.int64)) for i in ix.tolist()])
-    y = torch.stack([torch.from_numpy((data[i+1:i+1+block_size]).astype(np.int64)) for i in ix.tolist()])
+def get_batch(shards, ix, block_size, device):
+    """Inputs and targets of the windows ix, indices into all windows of all shards in turn."""
+    ends = np.cumsum([w for _, w in shards])
+    x, y = [], []
+    for i in ix.tolist():
+        s = int(np.searchsorted(ends, i, side='right'))
+        i -= int(ends[s - 1]) if s else 0
+        # recreate np.memmap every batch to avoid a memory leak, as per
+        # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
+        data = np.memmap(shards[s][0], dtype=np.uint16, mode='r')
+        x.append(torch.from_numpy(data[i:i+block_size].astype(np.int64)))
+        y.append(torch.from_numpy(data[i+1:i+1+block_size].astype(np.int64)))
+    x, y = torch.stack(x), torch.stack(y)
     if 'cuda' in device:
         # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -222,8 +239,9 @@ def main(argv):
     # data: every rank draws the same global batch from the same generator and takes its own
     # micro-batches, so the data stream does not depend on the number of processes
     data_dir = os.path.join(cfg['data_dir'], cfg['dataset'])
-    train_path, n_train = open_split(data_dir, 'train', cfg['block_size'])
-    val_path, n_val = open_split(data_dir, 'val', cfg['block_size'])
+    train_shards = open_split(data_dir, 'train', cfg['block_size'])
+    val_shards = open_split(data_dir, 'val', cfg['block_size'])
+    n_train = sum(w for _, w in train_shards) # windows to sample from
     data_gen = torch.Generator().manual_seed(cfg['seed'])
     meta_path = os.path.join(data_dir, 'meta.pkl')
     meta_vocab_size = None
@@ -260,12 +278,25 @@ def main(argv):
     else:
         fail(f"init_from={cfg['init_from']} is not one of scratch, resume")
     model.to(device)
+    if cfg['activation_checkpointing']:
+        branches = {m for block in model.transformer.h for m in (block.attn, block.mlp)}
+        apply_activation_checkpointing(model, check_fn=lambda m: m in branches)
+    if cfg['fsdp']:
+        if not ddp:
+            fail("fsdp=True needs a distributed launch: torchrun --nproc_per_node=N train.py ...")
+        # one FSDP unit per branch (the GPT calls the branches, not the Blocks), the rest in the root
+        for block in model.transformer.h:
+            fully_shard(block.attn)
+            fully_shard(block.mlp)
+        fully_shard(model)
+    # checkpoints hold full, unsharded state dicts, whatever the parallelism that wrote them
+    full_state = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     # initialize a GradScaler. If enabled=False scaler is a no-op
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
     optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']), device_type)
     if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint['optimizer'])
+        set_optimizer_state_dict(model, optimizer, checkpoint['optimizer'], options=StateDictOptions(full_state_dict=True))
         scaler.load_state_dict(checkpoint['scaler'])
         rng = checkpoint['rng']
         data_gen.set_state(rng['data'])
@@ -281,7 +312,7 @@ def main(argv):
     if use_compile:
         print("compiling the model... (takes a ~minute)")
         model = torch.compile(model)
-    if ddp:
+    if ddp and not cfg['fsdp']:
         model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
     @torch.no_grad()
@@ -290,12 +321,12 @@ def main(argv):
         with MoE also the mean router losses and expert load on val."""
         out = {}
         model.eval()
-        for split, path, n in (('train', train_path, n_train), ('val', val_path, n_val)):
+        for split, shards in (('train', train_shards), ('val', val_shards)):
             gen = torch.Generator().manual_seed(cfg['seed'] + 1)
-            ix = torch.randint(n - cfg['block_size'], (cfg['eval_iters'], cfg['batch_size']), generator=gen)
+            ix = torch.randint(sum(w for _, w in shards), (cfg['eval_iters'], cfg['batch_size']), generator=gen)
             losses, router = [], []
             for k in range(cfg['eval_iters']):
-                X, Y = get_batch(path, ix[k], cfg['block_size'], device)
+                X, Y = get_batch(shards, ix[k], cfg['block_size'], device)
                 with ctx:
                     logits, loss = raw_model(X, Y)
                 if raw_model.moe_stats is not None:
@@ -318,9 +349,9 @@ def main(argv):
         return dict(torch=states, data=data_gen.get_state())
 
     def checkpoint_now():
-        return {
-            'model': raw_model.state_dict(),
-            'optimizer': optimizer.state_dict(),
+        return { # the state dicts are collectives under FSDP: every rank calls this
+            'model': get_model_state_dict(raw_model, options=full_state),
+            'optimizer': get_optimizer_state_dict(raw_model, optimizer, options=full_state),
             'scaler': scaler.state_dict(),
             'model_args': model_args,
             'iter_num': iter_num,
@@ -335,13 +366,31 @@ def main(argv):
     t0 = time.time()
     local_iter_num = 0 # number of iterations in the lifetime of this process
     running_mfu = -1.0
+    # SIGINT / SIGTERM: finish the step, save a checkpoint, exit cleanly
+    signals = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: signals.append(signal.Signals(signum).name))
+    def stop_requested():
+        """Whether any rank got a signal, so that all ranks stop at the same iteration."""
+        if not ddp:
+            return bool(signals)
+        flag = torch.tensor(float(bool(signals)), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
     while True:
         # evaluate the loss on train/val sets and write checkpoints
         last = iter_num >= max_iters
-        if iter_num % cfg['eval_interval'] == 0 or last:
+        stopping = stop_requested()
+        if iter_num % cfg['eval_interval'] == 0 or last or stopping or cfg['eval_only']:
             checkpoint = checkpoint_now() if iter_num > 0 else None # every rank joins the RNG gather
-            if master_process:
-                losses = estimate_loss()
+            if master_process and stopping:
+                if checkpoint is not None:
+                    save_checkpoint(checkpoint, ckpt_path)
+                tqdm.write(f"stopped by {signals[0] if signals else 'a signal to another rank'} at iteration {iter_num}"
+                           + (f"; saved checkpoint to {ckpt_path}" if checkpoint is not None else ""))
+            elif not stopping:
+                losses = estimate_loss() # on every rank: under FSDP a forward is a collective
+            if master_process and not stopping:
                 line = f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                 if 'router' in losses:
                     r = losses['router']
@@ -354,7 +403,7 @@ def main(argv):
                     tqdm.write(f"saving checkpoint to {cfg['out_dir']}")
                     save_checkpoint(checkpoint, ckpt_path)
             checkpoint = None
-        if last or (iter_num == 0 and cfg['eval_only']):
+        if last or stopping or cfg['eval_only']:
             break
 
         # determine and set the learning rate for this iteration
@@ -363,12 +412,15 @@ def main(argv):
             param_group['lr'] = lr
 
         # forward backward update, with optional gradient accumulation to simulate larger batch size.
-        # This rank's micro-batches of the global batch; DDP syncs gradients only on the last one.
-        ix = torch.randint(n_train - cfg['block_size'], (accum, cfg['batch_size']), generator=data_gen)[rank::world_size]
+        # This rank's micro-batches of the global batch; DDP / FSDP sync gradients only on the last one.
+        ix = torch.randint(n_train, (accum, cfg['batch_size']), generator=data_gen)[rank::world_size]
         train_loss = torch.zeros((), device=device)
         for micro_step, ix_micro in enumerate(ix):
-            X, Y = get_batch(train_path, ix_micro, cfg['block_size'], device)
-            sync = nullcontext() if not ddp or micro_step == len(ix) - 1 else model.no_sync()
+            X, Y = get_batch(train_shards, ix_micro, cfg['block_size'], device)
+            last_micro = micro_step == len(ix) - 1
+            if cfg['fsdp']:
+                raw_model.set_requires_gradient_sync(last_micro)
+            sync = nullcontext() if not ddp or cfg['fsdp'] or last_micro else model.no_sync()
             with sync:
                 with ctx:
                     logits, loss = model(X, Y)
@@ -385,6 +437,9 @@ def main(argv):
         scaler.update()
         # flush the gradients as soon as we can, no need for this memory anymore
         optimizer.zero_grad(set_to_none=True)
+        if not math.isfinite(train_loss.item()): # nothing of this step is saved
+            bar.close()
+            fail(f"loss is {train_loss.item()} at iter {iter_num + 1}: stopping; {ckpt_path} keeps the last good checkpoint")
 
         # timing and logging
         t1 = time.time()

@@ -1,0 +1,222 @@
+"""
+Speed and memory of every residual path, side by side, against the standard residual.
+
+$ python bench.py                          # CPU-sized default, under 3 minutes on 2 cores
+$ python bench.py --moe=True --json=bench.json
+$ python bench.py config/bench_gpu.py      # GPU-sized, bf16, compiled
+
+Per path: training step (forward + backward + AdamW), forward-only prefill, KV-cache decode
+per token, peak memory, parameters, and MFU on CUDA. After a warm-up the paths run
+interleaved (A B C A B C ...), so drift hits all alike; each ratio to standard is taken
+round by round and its median reported.
+"""
+import io
+import sys
+import json
+import contextlib
+import time
+import resource
+import statistics
+import subprocess
+
+import torch
+
+from model import GPT, GPTConfig, KVCache
+from train import configure, resolve_device
+from prepare_data import fail
+
+# -----------------------------------------------------------------------------
+# the train.py default model, on random tokens
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 64
+batch_size = 12
+vocab_size = 65
+bias = False
+depth_block = 2 # for the Block variants
+moe = False # also run each path with an MoE of equal active parameters
+paths = '' # comma-separated subset of the paths; '' = all
+rounds = 10 # timed rounds per path
+warmup = 2 # untimed rounds first
+decode_tokens = 32 # tokens decoded per round, after a prefill of block_size // 2
+device = 'auto'
+dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere
+compile = False
+json_out = '' # write all numbers here too
+memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
+# -----------------------------------------------------------------------------
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+
+PATHS = {
+    'standard': dict(),
+    'attnres-full': dict(residual='attnres'),
+    'attnres-block': dict(residual='attnres', depth_block=None),
+    'mhc-2': dict(residual='mhc'),
+    'dar-full': dict(residual='dar'),
+    'dar-block': dict(residual='dar', depth_block=None),
+    'dar-self': dict(residual='dar', depth_block=None, dar_routing='self'),
+}
+
+def model_config(cfg, name):
+    args = dict(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'], block_size=cfg['block_size'],
+                vocab_size=cfg['vocab_size'], bias=cfg['bias'])
+    base, is_moe = name.removesuffix('+moe'), name.endswith('+moe')
+    args.update({k: (cfg['depth_block'] if v is None else v) for k, v in PATHS[base].items()})
+    if is_moe: # 4 experts of half the dense width, top-2: the active parameters of the dense MLP
+        args.update(n_expert=4, n_expert_active=2, expert_hidden=2 * cfg['n_embd'])
+    return GPTConfig(**args)
+
+class Runner:
+    """One path's model, optimizer and inputs, with timed train / prefill / decode calls."""
+
+    def __init__(self, cfg, name, device, ptdtype):
+        torch.manual_seed(0)
+        self.model = GPT(model_config(cfg, name)).to(device)
+        self.params = self.model.get_num_params()
+        self.active = self.model.get_num_params(active=True)
+        self.optimizer = self.model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(':')[0])
+        self.fwd = torch.compile(self.model) if cfg['compile'] else self.model
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randint(cfg['vocab_size'], (2, cfg['batch_size'], cfg['block_size']), generator=g).to(device)
+        self.prompt = self.x[:1, :cfg['block_size'] // 2]
+        self.decode_tokens = cfg['decode_tokens']
+        self.ctx = torch.autocast(device.split(':')[0], dtype=ptdtype, enabled=ptdtype != torch.float32)
+        self.device = device
+
+    def train_step(self):
+        with self.ctx:
+            _, loss = self.fwd(self.x, self.y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def prefill(self):
+        with self.ctx:
+            self.fwd(self.x)
+
+    @torch.no_grad()
+    def decode(self):
+        """Seconds per decoded token after a prefill (the prefill is not timed)."""
+        cache = KVCache(self.model.config)
+        with self.ctx:
+            logits, _ = self.model(self.prompt, cache=cache)
+            sync(self.device)
+            t0 = time.perf_counter()
+            for _ in range(self.decode_tokens):
+                logits, _ = self.model(logits[:, -1:].argmax(-1), cache=cache)
+            sync(self.device)
+        return (time.perf_counter() - t0) / self.decode_tokens
+
+def sync(device):
+    if 'cuda' in device:
+        torch.cuda.synchronize()
+
+def timed(fn, device):
+    """Seconds one call takes (CUDA events on GPU)."""
+    if 'cuda' in device:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+def rss_mb():
+    with open('/proc/self/status') as f:
+        return next(int(l.split()[1]) for l in f if l.startswith('VmRSS')) / 1024
+
+def probe_memory(cfg, device, ptdtype):
+    """Peak RSS of this fresh process over 3 training steps, minus its RSS after the imports."""
+    base = rss_mb()
+    r = Runner(cfg, cfg['memory_probe'], device, ptdtype)
+    for _ in range(3):
+        r.train_step()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)
+
+def cpu_peak_memory(name, argv):
+    args = [a for a in argv if not a.startswith('--memory_probe=')] + [f'--memory_probe={name}']
+    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        fail(f"memory probe of {name} failed: {p.stderr.strip().splitlines()[-1]}")
+    return float(p.stdout.strip().splitlines()[-1])
+
+def summary(xs):
+    return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
+
+def main(argv):
+    cfg, _ = configure(DEFAULTS, argv)
+    device = resolve_device(cfg['device'])
+    dtype = cfg['dtype']
+    if dtype == 'auto':
+        dtype = 'bfloat16' if 'cuda' in device and torch.cuda.is_bf16_supported() else 'float32'
+    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    if cfg['memory_probe']:
+        return probe_memory(cfg, device, ptdtype)
+    names = cfg['paths'].split(',') if cfg['paths'] else list(PATHS)
+    for name in names:
+        if name not in PATHS:
+            fail(f"--paths: unknown path {name}; one of {', '.join(PATHS)}")
+    if 'standard' not in names:
+        names.insert(0, 'standard')
+    if cfg['moe']:
+        names += [n + '+moe' for n in names]
+
+    with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
+        runners = {n: Runner(cfg, n, device, ptdtype) for n in names}
+    times = {n: dict(train=[], prefill=[], decode=[]) for n in names}
+    for r in range(cfg['warmup'] + cfg['rounds']):
+        for n, runner in runners.items(): # interleaved: A B C A B C ...
+            t = dict(train=timed(runner.train_step, device), prefill=timed(runner.prefill, device), decode=runner.decode())
+            if r >= cfg['warmup']:
+                for k, v in t.items():
+                    times[n][k].append(v)
+    memory = {}
+    for n, runner in runners.items():
+        if 'cuda' in device:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            runner.train_step()
+            memory[n] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        else:
+            memory[n] = cpu_peak_memory(n, argv)
+
+    tokens = cfg['batch_size'] * cfg['block_size']
+    results = {}
+    for n, runner in runners.items():
+        t = times[n]
+        res = dict(params=runner.params, active_params=runner.active, peak_memory_mb=memory[n],
+                   train_s=summary(t['train']), prefill_s=summary(t['prefill']), decode_s_per_token=summary(t['decode']),
+                   train_tok_s=tokens / statistics.median(t['train']), prefill_tok_s=tokens / statistics.median(t['prefill']),
+                   memory_ratio=memory[n] / memory['standard'])
+        for k in ('train', 'prefill', 'decode'): # ratio round by round, then the median
+            res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], times['standard'][k]))
+        if 'cuda' in device:
+            res['mfu'] = runner.model.estimate_mfu(cfg['batch_size'], statistics.median(t['train']))
+        results[n] = res
+
+    where = torch.cuda.get_device_name() if 'cuda' in device else f"CPU, {torch.get_num_threads()} threads"
+    print(f"# bench: {where}, {dtype}, compile={cfg['compile']}, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} "
+          f"block_size={cfg['block_size']} batch_size={cfg['batch_size']}, {cfg['rounds']} rounds")
+    print("memory: " + ("CUDA max_memory_allocated during a training step" if 'cuda' in device else
+                        "CPU peak RSS of a fresh process per path over 3 training steps, minus its RSS after imports"))
+    mfu = 'cuda' in device
+    print('| path | params (active) | train ms/step (min-max) | train tok/s | x std | prefill tok/s | x std | '
+          'decode ms/token | x std | peak MB | x std |' + (' MFU |' if mfu else ''))
+    print('|---' * (11 + mfu) + '|')
+    for n, r in results.items():
+        tr, dec = r['train_s'], r['decode_s_per_token']
+        print(f"| {n} | {r['params']:,} ({r['active_params']:,}) | {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) "
+              f"| {r['train_tok_s']:,.0f} | {r['train_ratio']:.2f} | {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} "
+              f"| {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} | {r['peak_memory_mb']:.1f} | {r['memory_ratio']:.2f} |"
+              + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
+    if cfg['json_out']:
+        with open(cfg['json_out'], 'w') as f:
+            json.dump(dict(device=where, dtype=dtype, config=cfg, results=results), f, indent=1)
+
+if __name__ == '__main__':
+    main(sys.argv[1:])

@@ -1,0 +1,23 @@
+# Dense preset at the paper's 0.1b scale (GPT-2 style, BPE vocab; sizes are ours, the DAR paper's are not public).
+# torchrun --standalone --nproc_per_node=8 train.py config/paper_0.1b.py [--residual=attnres]
+# Parameter counts per path: python config/count_params.py
+out_dir = 'out-0.1b'
+dataset = 'fineweb_edu' # python prepare_data.py fineweb_edu
+eval_interval = 1000
+eval_iters = 100
+log_interval = 10
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+batch_size = 16
+gradient_accumulation_steps = 32 # x 16 x 1024 = 0.5M tokens per step
+bias = False
+dropout = 0.0
+depth_block = 6 # sublayers per depth block: 4 blocks
+learning_rate = 6e-4
+min_lr = 6e-5
+weight_decay = 0.1
+beta2 = 0.95
+warmup_iters = 2000
+max_iters = 20000 # 10B tokens
