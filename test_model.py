@@ -784,3 +784,51 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
     assert p.returncode == 1
     assert re.fullmatch(r"error: loss is (nan|inf) at iter \d+: stopping; \S+ keeps the last good checkpoint", last_line(p.stderr))
     assert (workdir / 'nan' / 'ckpt.pt').read_bytes() == before
+
+# -----------------------------------------------------------------------------
+# scale: large-corpus shards, FSDP2, activation checkpointing
+
+def test_large_corpus_shards_and_training_on_them(tmp_path):
+    gpt2 = os.path.join(SHARED, 'data', 'gpt2')
+    if not os.path.exists(gpt2):
+        pytest.skip(f"{gpt2} is absent: BPE shards need the shared GPT-2 vocabulary offline")
+    rng = np.random.default_rng(0)
+    words = ['the', 'king', 'queen', 'of', 'and', 'my', 'lord', 'shall', 'be', 'not', 'to', 'is', '\n']
+    docs = [' '.join(rng.choice(words, size=rng.integers(3, 80))) for _ in range(200)]
+    with open(tmp_path / 'docs.jsonl', 'w') as f:
+        for d in docs:
+            f.write(json.dumps({'text': d}) + '\n')
+    run(['docs', '--input=docs.jsonl', f'--gpt2_dir={gpt2}', '--shard_tokens=1000', '--num_proc=2'], tmp_path, module='prepare_data.py')
+    files = sorted(os.listdir(tmp_path / 'data' / 'docs'), key=lambda n: n.split('_')[1])
+    assert files[0] == 'val_000000.bin' and all(f.startswith('train_') for f in files[1:])
+    shards = [np.fromfile(tmp_path / 'data' / 'docs' / f, dtype=np.uint16) for f in files]
+    assert all(len(s) == 1000 for s in shards[:-1]) and 0 < len(shards[-1]) <= 1000
+    from prepare_data import gpt2_encoding
+    enc = gpt2_encoding(gpt2)
+    want = [t for d in docs for t in [enc.eot_token] + enc.encode_ordinary(d)] # <|endoftext|> between documents
+    assert np.concatenate(shards).tolist() == want
+    p = run(SMALL + ['--dataset=docs', '--max_iters=2', '--out_dir=out'], tmp_path)
+    assert 'step 2:' in p.stdout
+
+def test_fsdp2_two_processes_equal_one(workdir):
+    args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=100']
+    one = run(args + ['--out_dir=fsdp1'], workdir)
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(ROOT, 'train.py')] + args + ['--out_dir=fsdp2', '--fsdp=True', '--activation_checkpointing=True']
+    two = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    l1 = [float(x.split()[-1]) for x in losses(one.stdout)]
+    l2 = [float(x.split()[-1]) for x in losses(two.stdout)]
+    assert len(l1) == len(l2) == 4 and l1 == pytest.approx(l2, abs=2e-4)
+    a = torch.load(workdir / 'fsdp1' / 'ckpt.pt', weights_only=True)['model']
+    b = torch.load(workdir / 'fsdp2' / 'ckpt.pt', weights_only=True)['model']
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    # the FSDP checkpoint resumes in a single process
+    run(args + ['--out_dir=fsdp2', '--max_iters=5', '--init_from=resume'], workdir)
+
+def test_fsdp_needs_torchrun(workdir):
+    p = run(SMALL + ['--fsdp=True'], workdir, check=False)
+    assert p.returncode == 1 and last_line(p.stderr).startswith("error: fsdp=True needs a distributed launch")
