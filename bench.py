@@ -15,7 +15,6 @@ import sys
 import json
 import contextlib
 import time
-import resource
 import statistics
 import subprocess
 
@@ -126,17 +125,20 @@ def timed(fn, device):
     fn()
     return time.perf_counter() - t0
 
-def rss_mb():
+def status_mb(field):
     with open('/proc/self/status') as f:
-        return next(int(l.split()[1]) for l in f if l.startswith('VmRSS')) / 1024
+        return next(int(l.split()[1]) for l in f if l.startswith(field)) / 1024
 
 def probe_memory(cfg, device, ptdtype):
-    """Peak RSS of this fresh process over 3 training steps, minus its RSS after the imports."""
-    base = rss_mb()
+    """Peak RSS of this fresh process over 3 training steps, above its RSS after the imports
+    (Linux: writing 5 to /proc/self/clear_refs resets the peak, VmHWM, to the current RSS)."""
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+    base = status_mb('VmRSS')
     r = Runner(cfg, cfg['memory_probe'], device, ptdtype)
     for _ in range(3):
         r.train_step()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)
+    print(status_mb('VmHWM') - base)
 
 def cpu_peak_memory(name, argv):
     args = [a for a in argv if not a.startswith('--memory_probe=')] + [f'--memory_probe={name}']

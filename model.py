@@ -208,50 +208,57 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 # -----------------------------------------------------------------------------
-# depth attention, shared by AttnRes and DAR
+# depth attention, shared by AttnRes and DAR. A depth entry holds S streams (S, B, T, C):
+# S = 1 for AttnRes, 2 for DAR. Target j of a read takes its keys from stream keys_of[j]
+# and its values from stream values_of[j]; mix_j weighs its read in the branch input.
 
 RMS_EPS = 1e-6
 
-def entry(v):
-    """A depth candidate: its value and the inverse RMS of its key, computed once and reused
-    by every sublayer that reads it (each reader applies its own norm weight)."""
-    return v, torch.rsqrt(v.float().pow(2).mean(-1) + RMS_EPS) # (B, T, C), (B, T)
+def key_scores(v, Q, keys_of):
+    """w_j . RMSNorm_l(v[keys_of[j]]) for every target j and every query row of Q (..., J, C),
+    where each row is a pseudo-query times its key norm weight: RMSNorm_l(k) . w =
+    rsqrt(mean(k^2) + eps) * (k . (g_l * w)). fp32. v: (S, B, T, C) -> (..., J, B, T).
+    The queries do not depend on the input, so a committed entry is scored once, for every
+    sublayer that will read it, and its keys are never normed or read again."""
+    with torch.autocast(v.device.type, enabled=False): # tiny zero-init query grads underflow in bf16
+        v = v.float()
+        r = torch.rsqrt(v.pow(2).mean(-1) + RMS_EPS) # (S, B, T)
+        G = torch.einsum('sbtc,...jc->...jsbt', v, Q) # every stream under every query
+    j = torch.arange(len(keys_of), device=v.device)
+    return G[..., j, keys_of, :, :] * r[keys_of]
 
-def depth_logits(q, key):
-    """w . RMSNorm_l(k) = rsqrt(mean(k^2) + eps) * (k . (g_l * w)); q = g_l * w, fp32."""
-    k, r = key
-    with torch.autocast(k.device.type, enabled=False): # tiny zero-init query grads underflow in bf16
-        return (k.float() @ q) * r # (B, T)
-
-def depth_read(q, keys, values):
-    """Softmax over depth: a_r = softmax_r(w . RMSNorm(k_r)), x = sum_r a_r v_r.
-    q: (C,) pseudo-query times the key norm weight; keys: R entries; values: R tensors (B, T, C)."""
-    logits = torch.stack([depth_logits(q, k) for k in keys]) # (R, B, T)
-    # a_r = softmax_r( w_l . RMSNorm_l(k_r) )
-    a = logits.softmax(0)
-    # x_l = sum_r a_r v_r   (values are raw, only keys are normed)
-    x = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values))
+def depth_read(scores, values, mix, values_of):
+    """x_s = sum_r W_rs v_rs, the reads of all targets summed into the value streams they read.
+    scores: R tensors (J, B, T); values: R tensors (S, B, T, C); mix: (J,)."""
+    # a_rj = softmax_r( w_j . RMSNorm(k_rj) )
+    a = torch.stack(scores).softmax(0) # (R, J, B, T)
+    # W_rs = sum over the targets j that read values from stream s of mix_j a_rj
+    W = a.new_zeros(a.size(0), values[0].size(0), *a.shape[2:]).index_add(1, values_of, a * mix[:, None, None])
+    # x = sum_r W_r v_r   (values are raw, only keys are normed)
+    x = sum(W_r.unsqueeze(-1) * v for W_r, v in zip(W, values))
     return x, a
 
-def depth_phase1(Q, keys, values):
-    """Two-phase read, phase 1: the S queries of a block (S, C) over its completed entries at once.
-    Returns the softmax statistics (max m and sum l, (S, B, T)) and the unnormalised output o (S, B, T, C)."""
-    with torch.autocast(Q.device.type, enabled=False):
-        logits = torch.stack([(k.float() @ Q.t()).permute(2, 0, 1) * r for k, r in keys], 1) # (S, R, B, T)
+def depth_phase1(scores, values, values_of):
+    """Two-phase read, phase 1: the queries of a whole block over its completed entries at once.
+    scores: R tensors (Sq, J, B, T). Returns the softmax max m and sum l (Sq, J, B, T) and the
+    unnormalised output o (Sq, J, B, T, C) of every query and target."""
+    logits = torch.stack(scores, 1) # (Sq, R, J, B, T)
     m = logits.amax(1)
-    p = (logits - m.unsqueeze(1)).exp() # (S, R, B, T)
-    o = sum(p[:, r].unsqueeze(-1) * v for r, v in enumerate(values))
+    p = (logits - m.unsqueeze(1)).exp()
+    o = sum(p[:, r].unsqueeze(-1) * v[values_of] for r, v in enumerate(values))
     return m, p.sum(1), o
 
-def depth_phase2(m1, l1, o1, q, key, value):
-    """Two-phase read, phase 2: merge the partial block's score by online softmax.
-    x = (e^{m1-m} o1 + e^{m2-m} v) / (e^{m1-m} l1 + e^{m2-m}),  m = max(m1, m2)."""
-    if key is None: # no partial candidate
-        return o1 / l1.unsqueeze(-1)
-    m2 = depth_logits(q, key)
-    m = torch.maximum(m1, m2)
-    c1, c2 = (m1 - m).exp(), (m2 - m).exp()
-    return (c1.unsqueeze(-1) * o1 + c2.unsqueeze(-1) * value) / (c1 * l1 + c2).unsqueeze(-1)
+def depth_phase2(m1, l1, o1, score, value, mix):
+    """Two-phase read, phase 2: merge the partial block's score (J, B, T) and value (J, B, T, C)
+    by online softmax, m = max(m1, m2), h = (e^{m1-m} o1 + e^{m2-m} v) / (e^{m1-m} l1 + e^{m2-m}),
+    then x = sum_j mix_j h_j."""
+    if score is None: # no partial candidate
+        h = o1 / l1.unsqueeze(-1)
+    else:
+        m = torch.maximum(m1, score)
+        c1, c2 = (m1 - m).exp(), (score - m).exp()
+        h = (c1.unsqueeze(-1) * o1 + c2.unsqueeze(-1) * value) / (c1 * l1 + c2).unsqueeze(-1)
+    return (mix[:, None, None, None] * h).sum(0)
 
 # -----------------------------------------------------------------------------
 # the residual paths. Each one: begin(e) -> state, read(state, l) -> x_l,
@@ -279,6 +286,25 @@ class Standard(nn.Module):
     def depth(self, h):
         return {}
 
+def depth_reads(res, s, l, project=None):
+    """The branch input (B, T, C) of sublayer l of AttnRes or DAR: the reads of all targets,
+    weighted by mix and summed; project (SepV) maps each value stream's read first."""
+    partial = s.P is not None and res.include_partial
+    score = key_scores(s.P, s.Q[l], res.keys_of) if partial else None
+    if res.two_phase and s.weights is None and l < len(s.Q) - 1:
+        i = l % res.K
+        if i == 0: # phase 1 at the start of a block, for all of its queries
+            rows = slice(l, min(l + res.K, len(s.Q) - 1))
+            s.phase1 = depth_phase1([sc[rows] for _, sc in s.H], [v for v, _ in s.H], res.values_of)
+        m1, l1, o1 = (t[i] for t in s.phase1)
+        return depth_phase2(m1, l1, o1, score, s.P[res.values_of] if partial else None, s.mix[l])
+    scores = [sc[l] for _, sc in s.H] + ([score] if partial else [])
+    values = [v for v, _ in s.H] + ([s.P] if partial else [])
+    x, a = depth_read(scores, values, s.mix[l], res.values_of)
+    if s.weights is not None:
+        s.weights.append(a.detach().transpose(0, 1)) # (J, R, B, T)
+    return (project(x) if project is not None else x).sum(0)
+
 class AttnRes(nn.Module):
     """Attention Residuals. History H = [b_0 = e, b_1, ...]: completed block sums of sublayer
     outputs; P = partial sum of the current block. depth_block=1 is Full AttnRes."""
@@ -290,45 +316,38 @@ class AttnRes(nn.Module):
         # row l < L is sublayer l's, row L the final read's
         self.query = nn.Parameter(torch.zeros(L + 1, C)) # w_l, zero-init: step 0 reads a uniform mean
         self.key_norm = nn.Parameter(torch.ones(L + 1, C)) # g_l, weight of RMSNorm_l
+        # one stream: keys and values from it
+        self.register_buffer('keys_of', torch.zeros(1, dtype=torch.long), persistent=False)
+        self.register_buffer('values_of', torch.zeros(1, dtype=torch.long), persistent=False)
 
     def begin(self, e, record=False, ablate=None):
-        return SimpleNamespace(H=[entry(e)], P=None, phase1=None, weights=[] if record else None)
+        Q = (self.query * self.key_norm).unsqueeze(1) # (L+1, 1, C)
+        s = SimpleNamespace(Q=Q, mix=Q.new_ones(len(Q), 1), H=[], P=None, phase1=None, weights=[] if record else None)
+        self.commit(s, e.unsqueeze(0)) # b_0 = e
+        return s
 
-    def candidates(self, s):
-        partial = [entry(s.P)] if s.P is not None and self.include_partial else []
-        return s.H + partial
+    def commit(self, s, v):
+        s.H.append((v, key_scores(v, s.Q, self.keys_of)))
 
     def read(self, s, l):
-        q = self.query[l] * self.key_norm[l]
-        if self.two_phase and s.weights is None and l < len(self.query) - 1:
-            if l % self.K == 0: # phase 1 at the start of a block, for all of its queries
-                rows = slice(l, min(l + self.K, len(self.query) - 1))
-                s.phase1 = depth_phase1(self.query[rows] * self.key_norm[rows], s.H, [v for v, _ in s.H])
-            m1, l1, o1 = (t[l % self.K] for t in s.phase1)
-            key = entry(s.P) if s.P is not None and self.include_partial else None
-            return depth_phase2(m1, l1, o1, q, key, s.P)
-        C = self.candidates(s)
-        x, a = depth_read(q, C, [v for v, _ in C])
-        if s.weights is not None:
-            s.weights.append(a.detach())
-        return x
+        return depth_reads(self, s, l)
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
-        s.P = y if s.P is None else s.P + y
+        s.P = y.unsqueeze(0) if s.P is None else s.P + y
         if (l + 1) % self.K == 0: # block complete: commit b_n
-            s.H.append(entry(s.P))
+            self.commit(s, s.P)
             s.P = None
         return s
 
     def end(self, s):
         if s.P is not None:
-            s.H.append(entry(s.P))
+            self.commit(s, s.P)
             s.P = None
-        return self.read(s, len(self.query) - 1)
+        return self.read(s, len(s.Q) - 1) # the final read
 
     def depth(self, s):
-        return dict(weights=s.weights, H=[[v for v, _ in s.H]])
+        return dict(weights=[a[0] for a in s.weights] if s.weights is not None else None, H=[[v[0] for v, _ in s.H]])
 
 def sinkhorn(logits, iters=20):
     """Doubly stochastic matrix from logits Z (..., n, n), in fp32. Sinkhorn-Knopp: row softmax,
@@ -413,18 +432,30 @@ class MHC(nn.Module):
     def depth(self, s):
         return dict(weights=s.weights, H=[[X[:, :, i] for X in s.H] for i in range(self.n)])
 
+# target j: (stream of its keys, stream of its values), by dar_routing
+ROUTES = {
+    'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
+    'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
+    'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
+    'fixed': ((0, 0), (1, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
+    'sepv': ((0, 1), (0, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j
+}
+
 class DAR(nn.Module):
-    """Dual Attention Residuals. Two streams j in {0, 1}, each with its own committed history
-    H^j (H^j_0 = e) and partial block state P^j. Stream j reads with keys from the opposite
-    stream and values from its own (dar_routing='cross'); alpha fuses the two reads into the
-    input of the unchanged branch; the branch output is written to both partials through
-    per-channel gates beta^j, after a transport rho mixes them. depth_block=1 is Full DAR."""
+    """Dual Attention Residuals. Two streams j in {0, 1}, kept together as (2, B, T, C), each
+    with its own committed history H^j (H^j_0 = e) and partial block state P^j. Stream j reads
+    with keys from the opposite stream and values from its own (dar_routing='cross'); alpha
+    fuses the two reads into the input of the unchanged branch; the branch output is written
+    to both partials through per-channel gates beta^j, after a transport rho mixes them.
+    depth_block=1 is Full DAR."""
 
     def __init__(self, config):
         super().__init__()
         L, C = 2 * config.n_layer, config.n_embd
         self.K, self.include_partial, self.two_phase = config.depth_block, config.include_partial, config.two_phase
-        self.routing = config.dar_routing
+        keys_of, values_of = ROUTES[config.dar_routing]
+        self.register_buffer('keys_of', torch.tensor(keys_of), persistent=False)
+        self.register_buffer('values_of', torch.tensor(values_of), persistent=False)
         # row l < L is sublayer l's, row L the final read's
         self.query = nn.Parameter(torch.zeros(L + 1, 2, C)) # w^j_l, zero-init [R: one per stream]
         self.key_norm = nn.Parameter(torch.ones(L + 1, C)) # g_l, one key norm per sublayer, shared by both targets
@@ -435,92 +466,56 @@ class DAR(nn.Module):
         self.beta_logit = nn.Parameter(beta_logit)
         if self.K > 1: # with K = 1 every write starts an empty partial and rho never acts
             self.rho_logit = nn.Parameter(torch.full((L,), 2.0)) # r_l, rho = sigmoid(2) ~ 0.88 [R]
-        if self.routing == 'sepv':
+        if config.dar_routing == 'sepv':
             self.value_proj = nn.Parameter(torch.eye(C).repeat(L + 1, 2, 1, 1)) # W^j_V, init I [R]
 
     def begin(self, e, record=False, ablate=None):
-        return SimpleNamespace(H=[[entry(e)], [entry(e)]], P=None, phase1=None, ablate=ablate,
-                               weights=[] if record else None)
+        # the gates of all sublayers at once: they do not depend on the input
+        alpha = torch.sigmoid(self.alpha_logit)
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1: the mix of the two targets' reads
+        mix = torch.stack([alpha, 1 - alpha], -1) # (L+1, 2)
+        if ablate: # analysis: these streams' reads replaced by zeros
+            mix = mix.index_fill(1, torch.tensor(ablate, device=mix.device), 0.0)
+        # beta^j = 2 * sigmoid(b^j_l), per channel
+        beta = 2 * torch.sigmoid(self.beta_logit)[:, :, None, None, :] # (L, 2, 1, 1, C)
+        T = None
+        if self.K > 1:
+            rho = torch.sigmoid(self.rho_logit)
+            # T(rho) = [[rho, 1 - rho], [1 - rho, rho]], doubly stochastic
+            T = torch.stack([torch.stack([rho, 1 - rho], -1), torch.stack([1 - rho, rho], -1)], -2) # (L, 2, 2)
+        s = SimpleNamespace(Q=self.query * self.key_norm[:, None], mix=mix, beta=beta, T=T,
+                            H=[], P=None, phase1=None, weights=[] if record else None)
+        self.commit(s, e.unsqueeze(0).expand(2, -1, -1, -1)) # H^0_0 = H^1_0 = e [R]
+        return s
 
-    def candidates(self, s):
-        # C^j = committed entries of stream j, plus P^j when non-empty and include_partial
-        if s.P is not None and self.include_partial:
-            return [s.H[0] + [entry(s.P[0])], s.H[1] + [entry(s.P[1])]]
-        return s.H
-
-    def route(self, C, j, l):
-        """Keys (entries) and values (tensors) that target stream j reads, by dar_routing."""
-        own, opp = C[j], C[1 - j]
-        if self.routing == 'cross': # keys RMSNorm(C^{1-j}), values C^j
-            return opp, [v for v, _ in own]
-        if self.routing == 'self': # keys RMSNorm(C^j), values C^j
-            return own, [v for v, _ in own]
-        if self.routing == 'crossv': # keys RMSNorm(C^j), values C^{1-j}
-            return own, [v for v, _ in opp]
-        if self.routing == 'fixed': # keys RMSNorm(C^0), values C^1, for both targets
-            return C[0], [v for v, _ in C[1]]
-        # sepv: keys RMSNorm(C^j), values W^j_V C^j
-        return own, [v @ self.value_proj[l, j].t() for v, _ in own]
-
-    def read_stream(self, s, l, j):
-        q = self.query[l, j] * self.key_norm[l]
-        if self.two_phase and s.weights is None and l < len(self.alpha_logit) - 1:
-            if l % self.K == 0 and j == 0: # phase 1 at the start of a block, for both targets and all queries
-                rows = slice(l, min(l + self.K, len(self.alpha_logit) - 1))
-                s.phase1 = [depth_phase1(self.query[rows, t] * self.key_norm[rows], *self.route(s.H, t, l))
-                            for t in (0, 1)]
-            m1, l1, o1 = (t[l % self.K] for t in s.phase1[j])
-            if s.P is None or not self.include_partial:
-                return depth_phase2(m1, l1, o1, q, None, None)
-            partial = [[entry(s.P[0])], [entry(s.P[1])]]
-            keys, values = self.route(partial, j, l)
-            return depth_phase2(m1, l1, o1, q, keys[0], values[0])
-        keys, values = self.route(self.candidates(s), j, l)
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(K^j_r)) V^j_r
-        h, a = depth_read(q, keys, values)
-        if s.weights is not None:
-            s.weights[-1].append(a.detach())
-        return h
+    def commit(self, s, v):
+        s.H.append((v, key_scores(v, s.Q, self.keys_of)))
 
     def read(self, s, l):
-        if s.weights is not None:
-            s.weights.append([])
-        h = [self.read_stream(s, l, j) for j in (0, 1)]
-        for j in s.ablate or (): # analysis: these streams' reads replaced by zeros
-            h[j] = torch.zeros_like(h[j])
-        if s.weights is not None:
-            s.weights[-1] = torch.stack(s.weights[-1]) # (2, R, B, T)
-        alpha = torch.sigmoid(self.alpha_logit[l])
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1
-        return alpha * h[0] + (1 - alpha) * h[1]
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{keys_of[j]}_r)) C^{values_of[j]}_r ; x_l = alpha_l h^0 + (1 - alpha_l) h^1
+        if hasattr(self, 'value_proj'): # SepV: h^j <- W^j_V h^j, the same as projecting every value
+            return depth_reads(self, s, l, lambda h: torch.einsum('sbtc,sdc->sbtd', h, self.value_proj[l]))
+        return depth_reads(self, s, l)
 
     def write(self, s, l, y):
-        # beta^j = 2 * sigmoid(b^j_l), per channel
-        beta = 2 * torch.sigmoid(self.beta_logit[l]) # (2, C)
         if s.P is None: # P^j = 0 at the start of a block
-            P0, P1 = beta[0] * y, beta[1] * y
+            s.P = s.beta[l] * y
         else:
-            rho = torch.sigmoid(self.rho_logit[l])
-            # P^0 <- rho P^0 + (1 - rho) P^1 + beta^0 * y_l
-            P0 = rho * s.P[0] + (1 - rho) * s.P[1] + beta[0] * y
-            # P^1 <- (1 - rho) P^0 + rho P^1 + beta^1 * y_l   (both read the old P)
-            P1 = (1 - rho) * s.P[0] + rho * s.P[1] + beta[1] * y
-        s.P = (P0, P1)
+            # P^0 <- rho P^0 + (1 - rho) P^1 + beta^0 * y_l ; P^1 <- (1 - rho) P^0 + rho P^1 + beta^1 * y_l
+            s.P = torch.einsum('jk,kbtc->jbtc', s.T[l], s.P) + s.beta[l] * y
         if (l + 1) % self.K == 0: # block commit: H^j.append(P^j); P^j = 0
-            s.H[0].append(entry(P0))
-            s.H[1].append(entry(P1))
+            self.commit(s, s.P)
             s.P = None
         return s
 
     def end(self, s):
         if s.P is not None:
-            s.H[0].append(entry(s.P[0]))
-            s.H[1].append(entry(s.P[1]))
+            self.commit(s, s.P)
             s.P = None
-        return self.read(s, len(self.alpha_logit) - 1) # final reciprocal read and fusion [R]
+        return self.read(s, len(s.Q) - 1) # final reciprocal read and fusion [R]
 
     def depth(self, s):
-        return dict(weights=s.weights, H=[[v for v, _ in s.H[0]], [v for v, _ in s.H[1]]])
+        return dict(weights=s.weights, H=[[v[0] for v, _ in s.H], [v[1] for v, _ in s.H]])
 
 # -----------------------------------------------------------------------------
 
