@@ -260,6 +260,29 @@ def depth_phase2(m1, l1, o1, score, value, mix):
         h = (c1.unsqueeze(-1) * o1 + c2.unsqueeze(-1) * value) / (c1 * l1 + c2).unsqueeze(-1)
     return (mix[:, None, None, None] * h).sum(0)
 
+def depth_commit(res, s, v):
+    """Append a completed entry v (S, B, T, C) to the history, with its key scores for every query."""
+    s.H.append((v, key_scores(v, s.Q, res.keys_of)))
+
+def depth_reads(res, s, l, project=None):
+    """The branch input (B, T, C) of sublayer l of AttnRes or DAR: the reads of all targets,
+    weighted by mix and summed; project (SepV) maps each value stream's read first."""
+    partial = s.P is not None and res.include_partial
+    score = key_scores(s.P, s.Q[l], res.keys_of) if partial else None
+    if res.two_phase and s.weights is None and l < len(s.Q) - 1:
+        i = l % res.K
+        if i == 0: # phase 1 at the start of a block, for all of its queries
+            rows = slice(l, min(l + res.K, len(s.Q) - 1))
+            s.phase1 = depth_phase1([sc[rows] for _, sc in s.H], [v for v, _ in s.H], res.values_of)
+        m1, l1, o1 = (t[i] for t in s.phase1)
+        return depth_phase2(m1, l1, o1, score, s.P[res.values_of] if partial else None, s.mix[l])
+    scores = [sc[l] for _, sc in s.H] + ([score] if partial else [])
+    values = [v for v, _ in s.H] + ([s.P] if partial else [])
+    x, a = depth_read(scores, values, s.mix[l], res.values_of)
+    if s.weights is not None:
+        s.weights.append(a.detach().transpose(0, 1)) # (J, R, B, T)
+    return (project(x) if project is not None else x).sum(0)
+
 # -----------------------------------------------------------------------------
 # the residual paths. Each one: begin(e) -> state, read(state, l) -> x_l,
 # write(state, l, y_l) -> state, end(state) -> h for ln_f, depth(state) -> introspection.
@@ -286,25 +309,6 @@ class Standard(nn.Module):
     def depth(self, h):
         return {}
 
-def depth_reads(res, s, l, project=None):
-    """The branch input (B, T, C) of sublayer l of AttnRes or DAR: the reads of all targets,
-    weighted by mix and summed; project (SepV) maps each value stream's read first."""
-    partial = s.P is not None and res.include_partial
-    score = key_scores(s.P, s.Q[l], res.keys_of) if partial else None
-    if res.two_phase and s.weights is None and l < len(s.Q) - 1:
-        i = l % res.K
-        if i == 0: # phase 1 at the start of a block, for all of its queries
-            rows = slice(l, min(l + res.K, len(s.Q) - 1))
-            s.phase1 = depth_phase1([sc[rows] for _, sc in s.H], [v for v, _ in s.H], res.values_of)
-        m1, l1, o1 = (t[i] for t in s.phase1)
-        return depth_phase2(m1, l1, o1, score, s.P[res.values_of] if partial else None, s.mix[l])
-    scores = [sc[l] for _, sc in s.H] + ([score] if partial else [])
-    values = [v for v, _ in s.H] + ([s.P] if partial else [])
-    x, a = depth_read(scores, values, s.mix[l], res.values_of)
-    if s.weights is not None:
-        s.weights.append(a.detach().transpose(0, 1)) # (J, R, B, T)
-    return (project(x) if project is not None else x).sum(0)
-
 class AttnRes(nn.Module):
     """Attention Residuals. History H = [b_0 = e, b_1, ...]: completed block sums of sublayer
     outputs; P = partial sum of the current block. depth_block=1 is Full AttnRes."""
@@ -323,11 +327,8 @@ class AttnRes(nn.Module):
     def begin(self, e, record=False, ablate=None):
         Q = (self.query * self.key_norm).unsqueeze(1) # (L+1, 1, C)
         s = SimpleNamespace(Q=Q, mix=Q.new_ones(len(Q), 1), H=[], P=None, phase1=None, weights=[] if record else None)
-        self.commit(s, e.unsqueeze(0)) # b_0 = e
+        depth_commit(self, s, e.unsqueeze(0)) # b_0 = e
         return s
-
-    def commit(self, s, v):
-        s.H.append((v, key_scores(v, s.Q, self.keys_of)))
 
     def read(self, s, l):
         return depth_reads(self, s, l)
@@ -336,13 +337,13 @@ class AttnRes(nn.Module):
         # b_n^i = b_n^{i-1} + y_l
         s.P = y.unsqueeze(0) if s.P is None else s.P + y
         if (l + 1) % self.K == 0: # block complete: commit b_n
-            self.commit(s, s.P)
+            depth_commit(self, s, s.P)
             s.P = None
         return s
 
     def end(self, s):
         if s.P is not None:
-            self.commit(s, s.P)
+            depth_commit(self, s, s.P)
             s.P = None
         return self.read(s, len(s.Q) - 1) # the final read
 
@@ -485,11 +486,8 @@ class DAR(nn.Module):
             T = torch.stack([torch.stack([rho, 1 - rho], -1), torch.stack([1 - rho, rho], -1)], -2) # (L, 2, 2)
         s = SimpleNamespace(Q=self.query * self.key_norm[:, None], mix=mix, beta=beta, T=T,
                             H=[], P=None, phase1=None, weights=[] if record else None)
-        self.commit(s, e.unsqueeze(0).expand(2, -1, -1, -1)) # H^0_0 = H^1_0 = e [R]
+        depth_commit(self, s, e.unsqueeze(0).expand(2, -1, -1, -1)) # H^0_0 = H^1_0 = e [R]
         return s
-
-    def commit(self, s, v):
-        s.H.append((v, key_scores(v, s.Q, self.keys_of)))
 
     def read(self, s, l):
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{keys_of[j]}_r)) C^{values_of[j]}_r ; x_l = alpha_l h^0 + (1 - alpha_l) h^1
@@ -504,13 +502,13 @@ class DAR(nn.Module):
             # P^0 <- rho P^0 + (1 - rho) P^1 + beta^0 * y_l ; P^1 <- (1 - rho) P^0 + rho P^1 + beta^1 * y_l
             s.P = torch.einsum('jk,kbtc->jbtc', s.T[l], s.P) + s.beta[l] * y
         if (l + 1) % self.K == 0: # block commit: H^j.append(P^j); P^j = 0
-            self.commit(s, s.P)
+            depth_commit(self, s, s.P)
             s.P = None
         return s
 
     def end(self, s):
         if s.P is not None:
-            self.commit(s, s.P)
+            depth_commit(self, s, s.P)
             s.P = None
         return self.read(s, len(s.Q) - 1) # final reciprocal read and fusion [R]
 
