@@ -21,7 +21,7 @@ import subprocess
 import torch
 
 from model import GPT, GPTConfig, KVCache
-from train import configure, resolve_device
+from train import autocast, configure, resolve_device
 from prepare_data import fail
 
 # -----------------------------------------------------------------------------
@@ -40,7 +40,7 @@ rounds = 10 # timed rounds per path
 warmup = 2 # untimed rounds first
 decode_tokens = 32 # tokens decoded per round, after a prefill of block_size // 2
 device = 'auto'
-dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere
+dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere; or explicit
 compile = False
 json_out = '' # write all numbers here too
 memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
@@ -69,7 +69,7 @@ def model_config(cfg, name):
 class Runner:
     """One path's model, optimizer and inputs, with timed train / prefill / decode calls."""
 
-    def __init__(self, cfg, name, device, ptdtype):
+    def __init__(self, cfg, name, device, ctx):
         torch.manual_seed(0)
         self.model = GPT(model_config(cfg, name)).to(device)
         self.params = self.model.get_num_params()
@@ -80,7 +80,7 @@ class Runner:
         self.x, self.y = torch.randint(cfg['vocab_size'], (2, cfg['batch_size'], cfg['block_size']), generator=g).to(device)
         self.prompt = self.x[:1, :cfg['block_size'] // 2]
         self.decode_tokens = cfg['decode_tokens']
-        self.ctx = torch.autocast(device.split(':')[0], dtype=ptdtype, enabled=ptdtype != torch.float32)
+        self.ctx = ctx
         self.device = device
 
     def train_step(self):
@@ -129,13 +129,13 @@ def status_mb(field):
     with open('/proc/self/status') as f:
         return next(int(l.split()[1]) for l in f if l.startswith(field)) / 1024
 
-def probe_memory(cfg, device, ptdtype):
+def probe_memory(cfg, device, ctx):
     """Peak RSS of this fresh process over 3 training steps, above its RSS after the imports
     (Linux: writing 5 to /proc/self/clear_refs resets the peak, VmHWM, to the current RSS)."""
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')
     base = status_mb('VmRSS')
-    r = Runner(cfg, cfg['memory_probe'], device, ptdtype)
+    r = Runner(cfg, cfg['memory_probe'], device, ctx)
     for _ in range(3):
         r.train_step()
     print(status_mb('VmHWM') - base)
@@ -153,12 +153,9 @@ def summary(xs):
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
     device = resolve_device(cfg['device'])
-    dtype = cfg['dtype']
-    if dtype == 'auto':
-        dtype = 'bfloat16' if 'cuda' in device and torch.cuda.is_bf16_supported() else 'float32'
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+    dtype, ctx = autocast(device.split(':')[0], cfg['dtype'])
     if cfg['memory_probe']:
-        return probe_memory(cfg, device, ptdtype)
+        return probe_memory(cfg, device, ctx)
     names = cfg['paths'].split(',') if cfg['paths'] else list(PATHS)
     for name in names:
         if name not in PATHS:
@@ -169,7 +166,7 @@ def main(argv):
         names += [n + '+moe' for n in names]
 
     with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
-        runners = {n: Runner(cfg, n, device, ptdtype) for n in names}
+        runners = {n: Runner(cfg, n, device, ctx) for n in names}
     times = {n: dict(train=[], prefill=[], decode=[]) for n in names}
     for r in range(cfg['warmup'] + cfg['rounds']):
         for n, runner in runners.items(): # interleaved: A B C A B C ...

@@ -11,7 +11,7 @@ import torch
 
 from model import GPT
 from prepare_data import fail, gpt2_encoding
-from train import configure, load_checkpoint, resolve_device
+from train import autocast, configure, load_checkpoint, resolve_device
 
 # -----------------------------------------------------------------------------
 out_dir = 'out' # the checkpoint is out_dir/ckpt.pt
@@ -51,12 +51,7 @@ def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
     torch.manual_seed(cfg['seed'])
     device = resolve_device(cfg['device'])
-    device_type = 'cuda' if 'cuda' in device else device
-    dtype = cfg['dtype']
-    if dtype == 'auto':
-        dtype = 'float32' if device_type != 'cuda' else ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16')
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    ctx = torch.autocast(device_type=device_type, dtype=ptdtype, enabled=dtype != 'float32')
+    _, ctx = autocast('cuda' if 'cuda' in device else device, cfg['dtype'])
 
     checkpoint = load_checkpoint(os.path.join(cfg['out_dir'], 'ckpt.pt'))
     model = GPT.from_checkpoint(checkpoint)

@@ -535,8 +535,12 @@ def test_resume_with_another_path_fails_clearly(workdir):
     assert p.returncode != 0
     assert p.stderr.strip() == f"error: {os.path.join('path', 'ckpt.pt')} was trained with residual='dar'; it cannot resume as residual='attnres'"
 
-def test_ddp_two_processes_equal_one(workdir):
-    args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100']
+DDP_PATHS = {'dar-block': [], 'attnres-block': ['--residual=attnres'], 'mhc': ['--residual=mhc', '--depth_block=1'],
+             'standard+moe': ['--residual=standard', '--depth_block=1', '--n_expert=4', '--expert_hidden=32']}
+
+@pytest.mark.parametrize('path', DDP_PATHS)
+def test_ddp_two_processes_equal_one(workdir, path):
+    args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100'] + DDP_PATHS[path]
     one = run(args + ['--out_dir=ddp1'], workdir)
     env = dict(os.environ, OMP_NUM_THREADS='1')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',

@@ -170,6 +170,15 @@ def resolve_device(device):
         fail("device=mps but MPS is not available here (use --device=cpu or --device=auto)")
     return device
 
+def autocast(device_type, dtype):
+    """The dtype and its autocast context. 'auto': bfloat16 on CUDA where supported, else float16
+    (with a GradScaler in train.py); float32 elsewhere."""
+    if dtype == 'auto':
+        dtype = 'float32' if device_type != 'cuda' else ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16')
+    if dtype not in ('float32', 'bfloat16', 'float16'):
+        fail(f"dtype={dtype} is not one of auto, float32, bfloat16, float16")
+    return dtype, nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
 def open_split(data_dir, split, block_size):
     """The uint16 token files of a split: data_dir/split.bin, or the shards data_dir/split_*.bin
     of a large corpus. Returns [(path, number of windows of block_size + 1 tokens)]."""
@@ -224,13 +233,7 @@ def main(argv):
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
         os.makedirs(cfg['out_dir'], exist_ok=True)
     device_type = 'cuda' if 'cuda' in device else device # for later use in torch.autocast
-    dtype = cfg['dtype']
-    if dtype == 'auto':
-        dtype = 'float32' if device_type != 'cuda' else ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16')
-    if dtype not in ('float32', 'bfloat16', 'float16'):
-        fail(f"dtype={dtype} is not one of auto, float32, bfloat16, float16")
-    ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+    dtype, ctx = autocast(device_type, cfg['dtype'])
     use_compile = cfg['compile'] if cfg['compile'] is not None else device_type == 'cuda'
     if device_type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
