@@ -240,11 +240,10 @@ NAIVE = dict(standard=naive_standard, attnres=naive_attnres, dar=naive_dar, mhc=
 # -----------------------------------------------------------------------------
 # every path against its naive reference
 
-@pytest.mark.parametrize('name', PATHS)
-@pytest.mark.parametrize('include_partial', [True, False])
+# include_partial=False exists only for the depth paths (attnres, dar)
+@pytest.mark.parametrize('name, include_partial', [(n, True) for n in PATHS] +
+                         [(n, False) for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar')])
 def test_matches_naive_reference(name, include_partial):
-    if not include_partial and PATHS[name].get('residual') not in ('attnres', 'dar'):
-        pytest.skip('include_partial applies to attnres and dar only')
     extra = {} if include_partial else dict(include_partial=False)
     model = make(name, **extra)
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
