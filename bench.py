@@ -2,7 +2,7 @@
 Speed and memory of every residual path, side by side, against the standard residual.
 
 $ python bench.py                          # CPU-sized default, under 3 minutes on 2 cores
-$ python bench.py --moe=True --json=bench.json
+$ python bench.py --moe=True --json_out=bench.json
 $ python bench.py config/bench_gpu.py      # GPU-sized, bf16, compiled
 
 Per path: training step (forward + backward + AdamW), forward-only prefill, KV-cache decode
