@@ -244,8 +244,7 @@ NAIVE = dict(standard=naive_standard, attnres=naive_attnres, dar=naive_dar, mhc=
 @pytest.mark.parametrize('name, include_partial', [(n, True) for n in PATHS] +
                          [(n, False) for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar')])
 def test_matches_naive_reference(name, include_partial):
-    extra = {} if include_partial else dict(include_partial=False)
-    model = make(name, **extra)
+    model = make(name, include_partial=include_partial)
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = full_logits(model, idx)
