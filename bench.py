@@ -1,14 +1,17 @@
 """
 Speed and memory of every residual path, side by side, against the standard residual.
 
-$ python bench.py                          # CPU-sized default, under 3 minutes on 2 cores
+$ python bench.py                            # the train.py default model, compiled and eager
+$ python bench.py config/bench_shakespeare.py # nanoGPT's shakespeare_char width: 6 layers, 384 wide
 $ python bench.py --moe=True --json_out=bench.json
-$ python bench.py config/bench_gpu.py      # GPU-sized, bf16, compiled
+$ python bench.py config/bench_gpu.py        # GPU-sized, bf16, compiled
 
-Per path: training step (forward + backward + AdamW), forward-only prefill, KV-cache decode
-per token, peak memory, parameters, and MFU on CUDA. After a warm-up the paths run
-interleaved (A B C A B C ...), so drift hits all alike; each ratio to standard is taken
-round by round and its median reported.
+Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
+training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
+(eager rows only: decoding is not compiled yet), peak memory, parameters, the warm-up time
+(which holds the compilation), and MFU on CUDA. After the warm-up all rows run interleaved
+(A B C A B C ...), so drift hits all alike; each ratio to standard in the same mode is taken
+round by round and its median reported. Compiling every path takes a few minutes on 2 CPU cores.
 """
 import io
 import sys
@@ -41,7 +44,7 @@ warmup = 2 # untimed rounds first
 decode_tokens = 32 # tokens decoded per round, after a prefill of block_size // 2
 device = 'auto'
 dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere; or explicit
-compile = False
+modes = 'compiled,eager' # comma-separated: compiled (torch.compile) and / or eager
 json_out = '' # write all numbers here too
 memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
 # -----------------------------------------------------------------------------
@@ -69,13 +72,13 @@ def model_config(cfg, name):
 class Runner:
     """One path's model, optimizer and inputs, with timed train / prefill / decode calls."""
 
-    def __init__(self, cfg, name, device, ctx):
+    def __init__(self, cfg, name, device, ctx, compiled):
         torch.manual_seed(0)
         self.model = GPT(model_config(cfg, name)).to(device)
         self.params = self.model.get_num_params()
         self.active = self.model.get_num_params(active=True)
         self.optimizer = self.model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(':')[0])
-        self.fwd = torch.compile(self.model) if cfg['compile'] else self.model
+        self.fwd = torch.compile(self.model) if compiled else self.model
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.randint(cfg['vocab_size'], (2, cfg['batch_size'], cfg['block_size']), generator=g).to(device)
         self.prompt = self.x[:1, :cfg['block_size'] // 2]
@@ -135,7 +138,7 @@ def probe_memory(cfg, device, ctx):
     with open('/proc/self/clear_refs', 'w') as f:
         f.write('5')
     base = status_mb('VmRSS')
-    r = Runner(cfg, cfg['memory_probe'], device, ctx)
+    r = Runner(cfg, cfg['memory_probe'], device, ctx, compiled=False)
     for _ in range(3):
         r.train_step()
     print(status_mb('VmHWM') - base)
@@ -164,55 +167,70 @@ def main(argv):
         names.insert(0, 'standard')
     if cfg['moe']:
         names += [n + '+moe' for n in names]
+    modes = cfg['modes'].split(',')
+    for mode in modes:
+        if mode not in ('compiled', 'eager'):
+            fail(f"--modes: unknown mode {mode}; compiled and / or eager")
+    rows = [(n, mode) for mode in modes for n in names]
 
     with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
-        runners = {n: Runner(cfg, n, device, ctx) for n in names}
-    times = {n: dict(train=[], prefill=[], decode=[]) for n in names}
-    for r in range(cfg['warmup'] + cfg['rounds']):
-        for n, runner in runners.items(): # interleaved: A B C A B C ...
-            t = dict(train=timed(runner.train_step, device), prefill=timed(runner.prefill, device), decode=runner.decode())
-            if r >= cfg['warmup']:
-                for k, v in t.items():
-                    times[n][k].append(v)
+        runners = {row: Runner(cfg, row[0], device, ctx, row[1] == 'compiled') for row in rows}
+    times = {row: dict(train=[], prefill=[], decode=[]) for row in rows}
+    warmup_s = {}
+    for row, runner in runners.items(): # warm-up, which compiles, one row at a time
+        t0 = time.perf_counter()
+        for _ in range(cfg['warmup']):
+            runner.train_step()
+            runner.prefill()
+        sync(device)
+        warmup_s[row] = time.perf_counter() - t0
+    for r in range(cfg['rounds']):
+        for row, runner in runners.items(): # interleaved: A B C A B C ...
+            times[row]['train'].append(timed(runner.train_step, device))
+            times[row]['prefill'].append(timed(runner.prefill, device))
+            if row[1] == 'eager':
+                times[row]['decode'].append(runner.decode())
     memory = {}
-    for n, runner in runners.items():
+    for row, runner in runners.items():
         if 'cuda' in device:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             runner.train_step()
-            memory[n] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        else:
-            memory[n] = cpu_peak_memory(n, argv)
+            memory[row] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        elif row[1] == 'eager': # a compiled process's peak would hold the compiler's memory
+            memory[row] = cpu_peak_memory(row[0], argv)
 
     tokens = cfg['batch_size'] * cfg['block_size']
     results = {}
-    for n, runner in runners.items():
-        t = times[n]
-        res = dict(params=runner.params, active_params=runner.active, peak_memory_mb=memory[n],
-                   train_s=summary(t['train']), prefill_s=summary(t['prefill']), decode_s_per_token=summary(t['decode']),
-                   train_tok_s=tokens / statistics.median(t['train']), prefill_tok_s=tokens / statistics.median(t['prefill']),
-                   memory_ratio=memory[n] / memory['standard'])
+    for (n, mode), runner in runners.items():
+        t, std = times[(n, mode)], times[('standard', mode)]
+        res = dict(path=n, mode=mode, params=runner.params, active_params=runner.active, warmup_s=warmup_s[(n, mode)],
+                   peak_memory_mb=memory.get((n, mode)), train_s=summary(t['train']), prefill_s=summary(t['prefill']),
+                   train_tok_s=tokens / statistics.median(t['train']), prefill_tok_s=tokens / statistics.median(t['prefill']))
         for k in ('train', 'prefill', 'decode'): # ratio round by round, then the median
-            res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], times['standard'][k]))
+            res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], std[k])) if t[k] else None
+        res['decode_s_per_token'] = summary(t['decode']) if t['decode'] else None
+        res['memory_ratio'] = memory[(n, mode)] / memory[('standard', mode)] if (n, mode) in memory else None
         if 'cuda' in device:
             res['mfu'] = runner.model.estimate_mfu(cfg['batch_size'], statistics.median(t['train']))
-        results[n] = res
+        results[f'{n} {mode}'] = res
 
     where = torch.cuda.get_device_name() if 'cuda' in device else f"CPU, {torch.get_num_threads()} threads"
-    print(f"# bench: {where}, {dtype}, compile={cfg['compile']}, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} "
-          f"block_size={cfg['block_size']} batch_size={cfg['batch_size']}, {cfg['rounds']} rounds")
+    print(f"# bench: {where}, {dtype}, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
+          f"batch_size={cfg['batch_size']}, {cfg['warmup']} warm-up + {cfg['rounds']} interleaved rounds; x std = vs standard in the same mode")
     print("memory: " + ("CUDA max_memory_allocated during a training step" if 'cuda' in device else
-                        "CPU peak RSS of a fresh process per path over 3 training steps, minus its RSS after imports"))
+                        "CPU peak RSS of a fresh eager process per path over 3 training steps, minus its RSS after imports"))
     mfu = 'cuda' in device
-    print('| path | params (active) | train ms/step (min-max) | train tok/s | x std | prefill tok/s | x std | '
+    print('| path | mode | params (active) | warm-up s | train ms/step (min-max) | train tok/s | x std | prefill tok/s | x std | '
           'decode ms/token | x std | peak MB | x std |' + (' MFU |' if mfu else ''))
-    print('|---' * (11 + mfu) + '|')
-    for n, r in results.items():
+    print('|---' * (13 + mfu) + '|')
+    num = lambda x, f: '-' if x is None else format(x, f)
+    for r in results.values():
         tr, dec = r['train_s'], r['decode_s_per_token']
-        print(f"| {n} | {r['params']:,} ({r['active_params']:,}) | {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) "
-              f"| {r['train_tok_s']:,.0f} | {r['train_ratio']:.2f} | {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} "
-              f"| {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} | {r['peak_memory_mb']:.1f} | {r['memory_ratio']:.2f} |"
-              + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
+        print(f"| {r['path']} | {r['mode']} | {r['params']:,} ({r['active_params']:,}) | {r['warmup_s']:.0f} "
+              f"| {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) | {r['train_tok_s']:,.0f} | {r['train_ratio']:.2f} "
+              f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {num(dec and 1e3 * dec['median'], '.2f')} | {num(r['decode_ratio'], '.2f')} "
+              f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} |" + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
     if cfg['json_out']:
         with open(cfg['json_out'], 'w') as f:
             json.dump(dict(device=where, dtype=dtype, config=cfg, results=results), f, indent=1)

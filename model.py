@@ -17,7 +17,6 @@ DAR detail whose exact form is not public (see README).
 import math
 import inspect
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -39,7 +38,6 @@ class GPTConfig:
     residual: str = 'standard' # standard | attnres | mhc | dar
     depth_block: int = 1 # attnres, dar: sublayers per depth block K (1 = Full, 2*n_layer = one block)
     include_partial: bool = True # attnres, dar: the running partial block is a read candidate
-    two_phase: bool = False # attnres, dar: read a block's completed entries for all its sublayers at once
     dar_routing: str = 'cross' # dar: cross | self | crossv | fixed | sepv
     mhc_streams: int = 2 # mhc: number of streams n
     # mixture of experts: n_expert > 0 turns the MLP of every moe_every-th layer into an MoE
@@ -61,8 +59,6 @@ class GPTConfig:
             (self.depth_block <= 2 * self.n_layer, f"depth_block={self.depth_block} exceeds the 2*n_layer={2 * self.n_layer} sublayers"),
             (depth or self.depth_block == 1, f"depth_block={self.depth_block} needs residual=attnres or dar"),
             (depth or self.include_partial, "include_partial=False needs residual=attnres or dar"),
-            (depth or not self.two_phase, "two_phase=True needs residual=attnres or dar"),
-            (not (self.two_phase and self.dar_routing == 'sepv'), "two_phase=True does not support dar_routing=sepv (its values differ per sublayer)"),
             (self.residual == 'dar' or self.dar_routing == 'cross', f"dar_routing={self.dar_routing} needs residual=dar"),
             (self.mhc_streams >= 1, f"mhc_streams={self.mhc_streams} must be >= 1"),
             (self.residual == 'mhc' or self.mhc_streams == 2, f"mhc_streams={self.mhc_streams} needs residual=mhc"),
@@ -208,80 +204,51 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 # -----------------------------------------------------------------------------
-# depth attention, shared by AttnRes and DAR. A depth entry holds S streams (S, B, T, C):
-# S = 1 for AttnRes, 2 for DAR. Target j of a read takes its keys from stream keys_of[j]
-# and its values from stream values_of[j]; mix_j weighs its read in the branch input.
+# depth attention, shared by AttnRes and DAR
 
 RMS_EPS = 1e-6
 
-def key_scores(v, Q, keys_of):
-    """w_j . RMSNorm_l(v[keys_of[j]]) for every target j and every query row of Q (..., J, C),
-    where each row is a pseudo-query times its key norm weight: RMSNorm_l(k) . w =
-    rsqrt(mean(k^2) + eps) * (k . (g_l * w)). fp32. v: (S, B, T, C) -> (..., J, B, T).
-    The queries do not depend on the input, so a committed entry is scored once, for every
-    sublayer that will read it, and its keys are never normed or read again."""
-    with torch.autocast(v.device.type, enabled=False): # tiny zero-init query grads underflow in bf16
-        v = v.float()
-        r = torch.rsqrt(v.pow(2).mean(-1) + RMS_EPS) # (S, B, T)
-        G = torch.einsum('sbtc,...jc->...jsbt', v, Q) # every stream under every query
-    j = torch.arange(len(keys_of), device=v.device)
-    return G[..., j, keys_of, :, :] * r[keys_of]
+def rms(v):
+    """rms(v) = sqrt(mean(v^2) + eps) over channels, in fp32: (..., C) -> (...)."""
+    return torch.sqrt(v.float().pow(2).mean(-1) + RMS_EPS)
 
-def depth_read(scores, values, mix, values_of):
-    """x_s = sum_r W_rs v_rs, the reads of all targets summed into the value streams they read.
-    scores: R tensors (J, B, T); values: R tensors (S, B, T, C); mix: (J,)."""
-    # a_rj = softmax_r( w_j . RMSNorm(k_rj) )
-    a = torch.stack(scores).softmax(0) # (R, J, B, T)
-    # W_rs = sum over the targets j that read values from stream s of mix_j a_rj
-    W = a.new_zeros(a.size(0), values[0].size(0), *a.shape[2:]).index_add(1, values_of, a * mix[:, None, None])
-    # x = sum_r W_r v_r   (values are raw, only keys are normed)
-    x = sum(W_r.unsqueeze(-1) * v for W_r, v in zip(W, values))
-    return x, a
+def depth_read(w, g, keys, rms_keys, values):
+    """One reader's attention over depth: h = sum_r softmax_r(w . RMSNorm_g(k_r)) v_r.
+    w, g (C,): the reader's pseudo-query and key-norm weight; keys, values: R entries (B, T, C);
+    rms_keys: R rms(k_r) (B, T). Returns h (B, T, C) and the depth weights a (R, B, T)."""
+    # w . RMSNorm_g(k) = (k . (g * w)) / rms(k): rms(k) is taken once per entry, g and w are the reader's.
+    # fp32 (elementwise, so autocast leaves it): tiny zero-init query grads underflow in bf16
+    scores = torch.stack([(k.float() * (g * w)).sum(-1) / r for k, r in zip(keys, rms_keys)]) # (R, B, T)
+    # a_r = softmax over depth r of the scores (no 1/sqrt(C))
+    a = scores.softmax(0)
+    # h = sum_r a_r v_r: the values are raw, only the keys are normed
+    h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values))
+    return h, a
 
-def depth_phase1(scores, values, values_of):
-    """Two-phase read, phase 1: the queries of a whole block over its completed entries at once.
-    scores: R tensors (Sq, J, B, T). Returns the softmax max m and sum l (Sq, J, B, T) and the
-    unnormalised output o (Sq, J, B, T, C) of every query and target."""
-    logits = torch.stack(scores, 1) # (Sq, R, J, B, T)
-    m = logits.amax(1)
-    p = (logits - m.unsqueeze(1)).exp()
-    o = sum(p[:, r].unsqueeze(-1) * v[values_of] for r, v in enumerate(values))
-    return m, p.sum(1), o
+class DepthState:
+    """What AttnRes and DAR carry through one forward, per stream j: the committed history H^j
+    (entries (B, T, C), each with its rms, taken once, for use as a key) and the partial block
+    state P^j. A plain class, so torch.compile traces it into the same graph as the model."""
 
-def depth_phase2(m1, l1, o1, score, value, mix):
-    """Two-phase read, phase 2: merge the partial block's score (J, B, T) and value (J, B, T, C)
-    by online softmax, m = max(m1, m2), h = (e^{m1-m} o1 + e^{m2-m} v) / (e^{m1-m} l1 + e^{m2-m}),
-    then x = sum_j mix_j h_j."""
-    if score is None: # no partial candidate
-        h = o1 / l1.unsqueeze(-1)
-    else:
-        m = torch.maximum(m1, score)
-        c1, c2 = (m1 - m).exp(), (score - m).exp()
-        h = (c1.unsqueeze(-1) * o1 + c2.unsqueeze(-1) * value) / (c1 * l1 + c2).unsqueeze(-1)
-    return (mix[:, None, None, None] * h).sum(0)
+    def __init__(self, e, streams, record=False, ablate=None):
+        self.H = [[e] for _ in range(streams)] # H^j_0 = e
+        self.rms = [[rms(e)] for _ in range(streams)] # rms(H^j_r), taken once per entry, for its use as a key
+        self.P = None # [P^j], or None for P^j = 0 (an empty partial, no candidate)
+        self.weights = [] if record else None # read weights of every sublayer, for return_depth
+        self.ablate = ablate or () # analysis: streams whose reads are replaced by zeros
 
-def depth_commit(res, s, v):
-    """Append a completed entry v (S, B, T, C) to the history, with its key scores for every query."""
-    s.H.append((v, key_scores(v, s.Q, res.keys_of)))
+    def commit(self):
+        # H^j.append(P^j) ; P^j = 0
+        for j, p in enumerate(self.P):
+            self.H[j].append(p)
+            self.rms[j].append(rms(p))
+        self.P = None
 
-def depth_reads(res, s, l, project=None):
-    """The branch input (B, T, C) of sublayer l of AttnRes or DAR: the reads of all targets,
-    weighted by mix and summed; project (SepV) maps each value stream's read first."""
-    partial = s.P is not None and res.include_partial
-    score = key_scores(s.P, s.Q[l], res.keys_of) if partial else None
-    if res.two_phase and s.weights is None and l < len(s.Q) - 1:
-        i = l % res.K
-        if i == 0: # phase 1 at the start of a block, for all of its queries
-            rows = slice(l, min(l + res.K, len(s.Q) - 1))
-            s.phase1 = depth_phase1([sc[rows] for _, sc in s.H], [v for v, _ in s.H], res.values_of)
-        m1, l1, o1 = (t[i] for t in s.phase1)
-        return depth_phase2(m1, l1, o1, score, s.P[res.values_of] if partial else None, s.mix[l])
-    scores = [sc[l] for _, sc in s.H] + ([score] if partial else [])
-    values = [v for v, _ in s.H] + ([s.P] if partial else [])
-    x, a = depth_read(scores, values, s.mix[l], res.values_of)
-    if s.weights is not None:
-        s.weights.append(a.detach().transpose(0, 1)) # (J, R, B, T)
-    return (project(x) if project is not None else x).sum(0)
+    def candidates(self, include_partial):
+        """C^j of every stream j, and their rms: the committed entries, plus P^j when it is a candidate."""
+        if include_partial and self.P is not None:
+            return [H + [p] for H, p in zip(self.H, self.P)], [r + [rms(p)] for r, p in zip(self.rms, self.P)]
+        return self.H, self.rms
 
 # -----------------------------------------------------------------------------
 # the residual paths. Each one: begin(e) -> state, read(state, l) -> x_l,
@@ -311,44 +278,41 @@ class Standard(nn.Module):
 
 class AttnRes(nn.Module):
     """Attention Residuals. History H = [b_0 = e, b_1, ...]: completed block sums of sublayer
-    outputs; P = partial sum of the current block. depth_block=1 is Full AttnRes."""
+    outputs; P = b_n^i, the partial sum of the current block. depth_block=1 is Full AttnRes."""
 
     def __init__(self, config):
         super().__init__()
         L, C = 2 * config.n_layer, config.n_embd
-        self.K, self.include_partial, self.two_phase = config.depth_block, config.include_partial, config.two_phase
+        self.K, self.include_partial = config.depth_block, config.include_partial
         # row l < L is sublayer l's, row L the final read's
         self.query = nn.Parameter(torch.zeros(L + 1, C)) # w_l, zero-init: step 0 reads a uniform mean
         self.key_norm = nn.Parameter(torch.ones(L + 1, C)) # g_l, weight of RMSNorm_l
-        # one stream: keys and values from it
-        self.register_buffer('keys_of', torch.zeros(1, dtype=torch.long), persistent=False)
-        self.register_buffer('values_of', torch.zeros(1, dtype=torch.long), persistent=False)
 
     def begin(self, e, record=False, ablate=None):
-        Q = (self.query * self.key_norm).unsqueeze(1) # (L+1, 1, C)
-        s = SimpleNamespace(Q=Q, mix=Q.new_ones(len(Q), 1), H=[], P=None, phase1=None, weights=[] if record else None)
-        depth_commit(self, s, e.unsqueeze(0)) # b_0 = e
-        return s
+        return DepthState(e, 1, record) # b_0 = e
 
     def read(self, s, l):
-        return depth_reads(self, s, l)
+        b, rms_b = s.candidates(self.include_partial) # [b_0, ..., b_{n-1}, b_n^i] and their rms
+        # x_l = sum_r softmax_r(w_l . RMSNorm_l(b_r)) b_r
+        x, a = depth_read(self.query[l], self.key_norm[l], b[0], rms_b[0], b[0])
+        if s.weights is not None:
+            s.weights.append(a.detach()) # (R, B, T)
+        return x
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
-        s.P = y.unsqueeze(0) if s.P is None else s.P + y
+        s.P = [y if s.P is None else s.P[0] + y]
         if (l + 1) % self.K == 0: # block complete: commit b_n
-            depth_commit(self, s, s.P)
-            s.P = None
+            s.commit()
         return s
 
     def end(self, s):
         if s.P is not None:
-            depth_commit(self, s, s.P)
-            s.P = None
-        return self.read(s, len(s.Q) - 1) # the final read
+            s.commit()
+        return self.read(s, len(self.query) - 1) # the final read, over all blocks
 
     def depth(self, s):
-        return dict(weights=[a[0] for a in s.weights] if s.weights is not None else None, H=[[v[0] for v, _ in s.H]])
+        return dict(weights=s.weights, H=s.H)
 
 def sinkhorn(logits, iters=20):
     """Doubly stochastic matrix from logits Z (..., n, n), in fp32. Sinkhorn-Knopp: row softmax,
@@ -367,6 +331,17 @@ def sinkhorn(logits, iters=20):
         M = M / M.sum(-1, keepdim=True)
         M = M / M.sum(-2, keepdim=True)
     return M
+
+class MHCState:
+    """What mHC carries through one forward: the streams X, this sublayer's post and M, and
+    with record the pre weights and every X. A plain class, so torch.compile traces it."""
+
+    def __init__(self, X, record=False, ablate=None):
+        self.X = X # (B, T, n, C)
+        self.post = self.M = None
+        self.ablate = ablate
+        self.weights = [] if record else None
+        self.H = [X] if record else None
 
 class MHC(nn.Module):
     """Manifold-constrained Hyper-Connections: n streams X (B, T, n, C), all starting at e.
@@ -391,9 +366,7 @@ class MHC(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(n))
 
     def begin(self, e, record=False, ablate=None):
-        X = e.unsqueeze(2).expand(-1, -1, self.n, -1) # (B, T, n, C)
-        return SimpleNamespace(X=X, post=None, M=None, ablate=ablate,
-                               weights=[] if record else None, H=[X] if record else None)
+        return MHCState(e.unsqueeze(2).expand(-1, -1, self.n, -1), record, ablate) # X_i = e
 
     def flat_norm(self, X):
         # xf = RMSNorm(flatten of the n streams), fp32
@@ -433,30 +406,27 @@ class MHC(nn.Module):
     def depth(self, s):
         return dict(weights=s.weights, H=[[X[:, :, i] for X in s.H] for i in range(self.n)])
 
-# target j: (stream of its keys, stream of its values), by dar_routing
+# for target stream j = 0, 1: (stream of its keys, stream of its values), by dar_routing
 ROUTES = {
     'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
-    'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
+    'self': ((0, 0), (1, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
     'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
-    'fixed': ((0, 0), (1, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
-    'sepv': ((0, 1), (0, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j
+    'fixed': ((0, 1), (0, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
+    'sepv': ((0, 0), (1, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j (the W^j_V line in DAR.read)
 }
 
 class DAR(nn.Module):
-    """Dual Attention Residuals. Two streams j in {0, 1}, kept together as (2, B, T, C), each
-    with its own committed history H^j (H^j_0 = e) and partial block state P^j. Stream j reads
-    with keys from the opposite stream and values from its own (dar_routing='cross'); alpha
-    fuses the two reads into the input of the unchanged branch; the branch output is written
-    to both partials through per-channel gates beta^j, after a transport rho mixes them.
-    depth_block=1 is Full DAR."""
+    """Dual Attention Residuals. Two streams j in {0, 1}, each with its own committed history H^j
+    (H^j_0 = e) and partial block state P^j. Stream j reads with keys from the opposite stream
+    and values from its own (dar_routing='cross'); alpha fuses the two reads into the input of
+    the unchanged branch; the branch output is written to both partials through per-channel
+    gates beta^j, after a transport rho mixes them. depth_block=1 is Full DAR."""
 
     def __init__(self, config):
         super().__init__()
         L, C = 2 * config.n_layer, config.n_embd
-        self.K, self.include_partial, self.two_phase = config.depth_block, config.include_partial, config.two_phase
-        keys_of, values_of = ROUTES[config.dar_routing]
-        self.register_buffer('keys_of', torch.tensor(keys_of), persistent=False)
-        self.register_buffer('values_of', torch.tensor(values_of), persistent=False)
+        self.K, self.include_partial = config.depth_block, config.include_partial
+        self.routes, self.sepv = ROUTES[config.dar_routing], config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's
         self.query = nn.Parameter(torch.zeros(L + 1, 2, C)) # w^j_l, zero-init [R: one per stream]
         self.key_norm = nn.Parameter(torch.ones(L + 1, C)) # g_l, one key norm per sublayer, shared by both targets
@@ -467,53 +437,49 @@ class DAR(nn.Module):
         self.beta_logit = nn.Parameter(beta_logit)
         if self.K > 1: # with K = 1 every write starts an empty partial and rho never acts
             self.rho_logit = nn.Parameter(torch.full((L,), 2.0)) # r_l, rho = sigmoid(2) ~ 0.88 [R]
-        if config.dar_routing == 'sepv':
+        if self.sepv:
             self.value_proj = nn.Parameter(torch.eye(C).repeat(L + 1, 2, 1, 1)) # W^j_V, init I [R]
 
     def begin(self, e, record=False, ablate=None):
-        # the gates of all sublayers at once: they do not depend on the input
-        alpha = torch.sigmoid(self.alpha_logit)
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1: the mix of the two targets' reads
-        mix = torch.stack([alpha, 1 - alpha], -1) # (L+1, 2)
-        if ablate: # analysis: these streams' reads replaced by zeros
-            mix = mix.index_fill(1, torch.tensor(ablate, device=mix.device), 0.0)
-        # beta^j = 2 * sigmoid(b^j_l), per channel
-        beta = 2 * torch.sigmoid(self.beta_logit)[:, :, None, None, :] # (L, 2, 1, 1, C)
-        T = None
-        if self.K > 1:
-            rho = torch.sigmoid(self.rho_logit)
-            # T(rho) = [[rho, 1 - rho], [1 - rho, rho]], doubly stochastic
-            T = torch.stack([torch.stack([rho, 1 - rho], -1), torch.stack([1 - rho, rho], -1)], -2) # (L, 2, 2)
-        s = SimpleNamespace(Q=self.query * self.key_norm[:, None], mix=mix, beta=beta, T=T,
-                            H=[], P=None, phase1=None, weights=[] if record else None)
-        depth_commit(self, s, e.unsqueeze(0).expand(2, -1, -1, -1)) # H^0_0 = H^1_0 = e [R]
-        return s
+        return DepthState(e, 2, record, ablate) # H^0_0 = H^1_0 = e [R]
 
     def read(self, s, l):
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{keys_of[j]}_r)) C^{values_of[j]}_r ; x_l = alpha_l h^0 + (1 - alpha_l) h^1
-        if hasattr(self, 'value_proj'): # SepV: h^j <- W^j_V h^j, the same as projecting every value
-            return depth_reads(self, s, l, lambda h: torch.einsum('sbtc,sdc->sbtd', h, self.value_proj[l]))
-        return depth_reads(self, s, l)
+        C, rms_C = s.candidates(self.include_partial) # C^0, C^1 and their rms
+        h, weights = [], []
+        for j, (k, v) in enumerate(self.routes): # target j: keys from stream k, values from stream v
+            # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^k_r)) C^v_r
+            h_j, a = depth_read(self.query[l, j], self.key_norm[l], C[k], rms_C[k], C[v])
+            if self.sepv:
+                # SepV: sum_r a_r W^j_V v_r = W^j_V h^j, the value projection taken out of the sum
+                h_j = h_j @ self.value_proj[l, j].t()
+            h.append(torch.zeros_like(h_j) if j in s.ablate else h_j) # ablated: h^j = 0 (analysis)
+            weights.append(a)
+        if s.weights is not None:
+            s.weights.append(torch.stack(weights).detach()) # (2, R, B, T)
+        alpha = torch.sigmoid(self.alpha_logit[l])
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1
+        return alpha * h[0] + (1 - alpha) * h[1]
 
     def write(self, s, l, y):
+        # beta^j = 2 * sigmoid(b^j_l), per channel
+        beta = 2 * torch.sigmoid(self.beta_logit[l]) # (2, C)
         if s.P is None: # P^j = 0 at the start of a block
-            s.P = s.beta[l] * y
+            s.P = [beta[0] * y, beta[1] * y]
         else:
+            rho = torch.sigmoid(self.rho_logit[l])
             # P^0 <- rho P^0 + (1 - rho) P^1 + beta^0 * y_l ; P^1 <- (1 - rho) P^0 + rho P^1 + beta^1 * y_l
-            s.P = torch.einsum('jk,kbtc->jbtc', s.T[l], s.P) + s.beta[l] * y
+            s.P = [rho * s.P[0] + (1 - rho) * s.P[1] + beta[0] * y, (1 - rho) * s.P[0] + rho * s.P[1] + beta[1] * y]
         if (l + 1) % self.K == 0: # block commit: H^j.append(P^j); P^j = 0
-            depth_commit(self, s, s.P)
-            s.P = None
+            s.commit()
         return s
 
     def end(self, s):
         if s.P is not None:
-            depth_commit(self, s, s.P)
-            s.P = None
-        return self.read(s, len(s.Q) - 1) # final reciprocal read and fusion [R]
+            s.commit()
+        return self.read(s, len(self.query) - 1) # final reciprocal read and fusion [R]
 
     def depth(self, s):
-        return dict(weights=s.weights, H=[[v[0] for v, _ in s.H], [v[1] for v, _ in s.H]])
+        return dict(weights=s.weights, H=s.H)
 
 # -----------------------------------------------------------------------------
 
@@ -617,7 +583,9 @@ class GPT(nn.Module):
     def from_checkpoint(cls, checkpoint):
         """A model from a checkpoint dict (ours or nanoGPT's): model_args and the state_dict,
         without the '_orig_mod.' prefix that a compiled model's state_dict carries."""
-        model = cls(GPTConfig(**checkpoint['model_args']))
+        # two_phase, a speed option of older checkpoints, gave the same result and is gone: slower under compile
+        model_args = {k: v for k, v in checkpoint['model_args'].items() if k != 'two_phase'}
+        model = cls(GPTConfig(**model_args))
         prefix = '_orig_mod.'
         state_dict = {k.removeprefix(prefix): v for k, v in checkpoint['model'].items()}
         model.load_state_dict(state_dict)

@@ -59,7 +59,6 @@ bias = False # do we use bias inside LayerNorm and Linear layers?
 residual = 'dar' # standard | attnres | mhc | dar
 depth_block = 2 # attnres, dar: sublayers per depth block (1 = Full); 2 gives 4 blocks at n_layer=4
 include_partial = True # attnres, dar: the partial block is a read candidate
-two_phase = False # attnres, dar: batched reads of completed blocks (same result)
 dar_routing = 'cross' # dar: cross | self | crossv | fixed | sepv
 mhc_streams = 2 # mhc: number of streams
 n_expert = 0 # MoE: routed experts per MoE layer; 0 = dense MLP
@@ -91,7 +90,7 @@ activation_checkpointing = False # recompute each attention / MLP branch in the 
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout', 'residual',
-              'depth_block', 'include_partial', 'two_phase', 'dar_routing', 'mhc_streams', 'n_expert',
+              'depth_block', 'include_partial', 'dar_routing', 'mhc_streams', 'n_expert',
               'n_expert_active', 'n_shared_expert', 'expert_hidden', 'moe_aux_loss_coef', 'moe_z_loss_coef', 'moe_every')
 
 def configure(defaults, argv):
