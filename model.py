@@ -92,16 +92,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v) # (B, nh, past + T, hs)
-        past = k.size(2) - T
-        dropout = self.dropout if self.training else 0
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
         else:
-            # new token t sits at position past + t and sees positions <= past + t
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            k, v = cache.update(self.layer, k, v) # (B, nh, block_size, hs)
+            # the new token at position p sees the cached positions <= p
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C) # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -150,20 +146,15 @@ class MoE(nn.Module):
         gate, expert = probs.topk(k, dim=-1) # (N, k)
         # g_i = p_i / sum_{top-k} p
         gate = gate / gate.sum(-1, keepdim=True)
-        # group the N*k (token, expert) slots by expert: one matmul per expert over its tokens
-        # (a loop over experts, not over tokens; the per-expert counts are data-dependent, so
-        # torch.compile breaks its graph here)
-        order = expert.view(-1).argsort(stable=True) # (N*k,) slots sorted by expert
+        # group the N*k (token, expert) slots by expert
+        slot_expert = expert.view(-1) # (N*k,)
+        order = slot_expert.argsort(stable=True) # slots sorted by expert
         token = order // k
-        counts = torch.bincount(expert.view(-1), minlength=E)
-        xs = x[token].split(counts.tolist())
-        ys = []
-        for e, xe in enumerate(xs):
-            h = xe @ self.c_fc[e] + (self.b_fc[e] if self.b_fc is not None else 0)
-            ys.append(F.gelu(h) @ self.c_proj[e] + (self.b_proj[e] if self.b_proj is not None else 0))
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
+        ys = self.experts(x[token], counts, slot_expert[order]) # (N*k, C)
         # y = sum_{i in top-k} g_i expert_i(x)
-        weighted = torch.cat(ys) * gate.view(-1)[order].unsqueeze(-1).to(x.dtype)
-        y = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
+        weighted = ys * gate.view(-1)[order].unsqueeze(-1).to(ys.dtype)
+        y = torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, weighted)
         if self.shared is not None:
             y = y + self.shared(x)
         # load balance = E * sum_e f_e P_e: f_e fraction of the slots routed to e, P_e mean router prob
@@ -172,6 +163,24 @@ class MoE(nn.Module):
         # z-loss = mean over tokens of logsumexp(router logits)^2
         z = torch.logsumexp(logits, -1).pow(2).mean()
         return self.dropout(y.view(B, T, C)), dict(balance=balance, z=z, load=f.detach())
+
+    def experts(self, xs, counts, e):
+        """expert_e(x) of the rows xs (M, C), grouped by expert: counts[e] rows each; e (M,) the
+        expert of each row. In bf16 all experts run as one grouped matmul whose group offsets are
+        a tensor, so there is no host sync and torch.compile keeps one graph. grouped_mm has no
+        fp32 kernel under the compiler, so fp32 runs one exact matmul per expert, a loop whose
+        row counts come to the host (.tolist(): a graph break under torch.compile)."""
+        device = xs.device.type
+        bf16 = self.c_fc.dtype == torch.bfloat16 or (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16)
+        b_fc = self.b_fc[e] if self.b_fc is not None else 0
+        b_proj = self.b_proj[e] if self.b_proj is not None else 0
+        if bf16:
+            offs = counts.cumsum(0).to(torch.int32) # end row of each expert's group
+            h = F.grouped_mm(xs.bfloat16(), self.c_fc.bfloat16(), offs=offs) + b_fc
+            return F.grouped_mm(F.gelu(h).bfloat16(), self.c_proj.bfloat16(), offs=offs) + b_proj
+        h = torch.cat([xe @ self.c_fc[i] for i, xe in enumerate(xs.split(counts.tolist()))]) + b_fc
+        h = F.gelu(h)
+        return torch.cat([he @ self.c_proj[i] for i, he in enumerate(h.split(counts.tolist()))]) + b_proj
 
 class Block(nn.Module):
     """One layer: two sublayers with their pre-norms. How they connect is the residual path's job."""
@@ -185,23 +194,25 @@ class Block(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
 class KVCache:
-    """Keys and values of every layer for generation. Depth reads act per token, so no
-    residual path needs a cache of its own."""
+    """Keys and values of every layer for generation, static: block_size positions per layer,
+    allocated once, written at the current positions and read through a mask, so that every
+    decode step has the same shapes and a compiled step is never recompiled. The position is a
+    tensor for the same reason. Depth reads act per token, so no residual path needs a cache of
+    its own."""
 
-    def __init__(self, config):
-        self.k = self.v = None # (n_layer, B, nh, block_size, hs), allocated on first use
-        self.n_layer, self.block_size = config.n_layer, config.block_size
-        self.pos = 0 # number of tokens already cached
+    def __init__(self, config, batch_size, device=None, dtype=None):
+        shape = (batch_size, config.n_head, config.block_size, config.n_embd // config.n_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.pos = torch.zeros((), dtype=torch.long, device=device) # number of tokens already cached
+        self.mask = None # (T, block_size): which cached positions each new token sees; set by GPT.forward
 
     def update(self, layer, k, v):
-        if self.k is None:
-            shape = (self.n_layer, *k.shape[:2], self.block_size, k.size(3))
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        # write the T new positions pos..pos+T-1, return every position (the mask hides the unwritten)
+        positions = self.pos + torch.arange(k.size(2), device=k.device)
+        self.k[layer].index_copy_(2, positions, k)
+        self.v[layer].index_copy_(2, positions, v)
+        return self.k[layer], self.v[layer]
 
 # -----------------------------------------------------------------------------
 # depth attention, shared by AttnRes and DAR
@@ -544,9 +555,11 @@ class GPT(nn.Module):
             ablate_stream = (ablate_stream,)
         device = idx.device
         b, t = idx.size()
-        past = cache.pos if cache is not None else 0
-        assert past + t <= self.config.block_size, f"Cannot forward sequence of length {past + t}, block size is only {self.config.block_size}"
-        pos = torch.arange(past, past + t, dtype=torch.long, device=device) # shape (t)
+        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device) # shape (t)
+        if cache is not None: # the new tokens follow the cached ones (generate keeps pos + t <= block_size)
+            pos = cache.pos + pos
+            cache.mask = torch.arange(self.config.block_size, device=device) <= pos[:, None] # (t, block_size)
         e = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)) # (b, t, n_embd)
         res = self.transformer.res
         s = res.begin(e, record=return_depth, ablate=ablate_stream)
@@ -627,21 +640,25 @@ class GPT(nn.Module):
         flops_per_iter = flops_per_token * T * fwdbwd_per_iter
         return flops_per_iter / dt / peak
 
+    def kv_cache(self, batch_size, device):
+        """An empty static KV cache, in the dtype attention computes in (autocast's, when it is on)."""
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else self.lm_head.weight.dtype
+        return KVCache(self.config, batch_size, device, dtype)
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, forward=None):
         """Take a conditioning sequence of indices idx (LongTensor of shape (b,t)) and complete
         the sequence max_new_tokens times, feeding the predictions back into the model each time.
-        A KV cache keeps the keys and values of the context. Positions are absolute, so once the
-        context is longer than block_size the window slides, every cached key changes, and the
-        cropped context is run again in full: the result always equals the uncached model on
-        idx[:, -block_size:]."""
-        cache = None
-        for _ in range(max_new_tokens):
-            if cache is None or idx.size(1) > self.config.block_size:
-                cache = KVCache(self.config)
-                logits, _ = self(idx[:, -self.config.block_size:], cache=cache)
-            else:
-                logits, _ = self(idx[:, -1:], cache=cache)
+        A static KV cache keeps the keys and values of the context. Positions are absolute, so
+        once the context is longer than block_size the window slides, every cached key changes,
+        and the cropped context is run again in full: the result always equals the uncached model
+        on idx[:, -block_size:]. forward runs the model: self, or torch.compile(model), which then
+        compiles the prefill, the one-token step and the full window once each."""
+        forward = self if forward is None else forward
+        cache = self.kv_cache(idx.size(0), idx.device)
+        # contiguous: a compiled forward guards on strides, and a view's strides grow with idx
+        logits, _ = forward(idx[:, -self.config.block_size:].contiguous(), cache=cache) # prefill
+        for i in range(max_new_tokens):
             # pluck the logits at the final step and scale by desired temperature
             logits = logits[:, -1, :] / temperature
             # optionally crop the logits to only the top k options
@@ -651,6 +668,13 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
+            if i == max_new_tokens - 1:
+                break
+            if idx.size(1) > self.config.block_size: # the window slides: run it again from position 0
+                cache.pos.zero_()
+                logits, _ = forward(idx[:, -self.config.block_size:].contiguous(), cache=cache)
+            else:
+                logits, _ = forward(idx_next, cache=cache)
         return idx
 
 # bf16 dense peak flops per GPU, for MFU (vendor datasheets)

@@ -23,7 +23,7 @@ top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 p
 seed = 1337
 device = 'auto' # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
 dtype = 'auto' # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), or explicit
-compile = False # use PyTorch 2.0 to compile the model to be faster
+compile = False # compile the prefill and the one-token decode step (static KV cache: each compiled once)
 gpt2_dir = '' # folder with GPT-2 vocab.bpe + encoder.json, for BPE datasets offline (or env DAR_GPT2_DIR)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
@@ -57,8 +57,9 @@ def main(argv):
     model = GPT.from_checkpoint(checkpoint)
     model.eval()
     model.to(device)
-    if cfg['compile']:
-        model = torch.compile(model) # requires PyTorch 2.0 (optional)
+    # compiling the module and calling its generate() would run the uncompiled forward, so the
+    # compiled forward is handed to generate; static shapes, so nothing recompiles while decoding
+    forward = torch.compile(model, dynamic=False) if cfg['compile'] else model
     encode, decode = codec(checkpoint, cfg['gpt2_dir'])
 
     # encode the beginning of the prompt
@@ -76,7 +77,7 @@ def main(argv):
     with torch.no_grad():
         with ctx:
             for k in range(cfg['num_samples']):
-                y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'])
+                y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'], forward=forward)
                 print(decode(y[0].tolist()))
                 print('---------------')
 
