@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 
 from model import GPT, GPTConfig
-from train import autocast, configure, resolve_device
+from train import autocast, check, configure, device_name, resolve_device
 from prepare_data import fail
 
 # -----------------------------------------------------------------------------
@@ -158,6 +158,11 @@ def summary(xs):
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
+    check(cfg, [(k, lambda v: v >= 1, 'an integer >= 1') for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
+                                                                    'vocab_size', 'depth_block', 'rounds', 'decode_tokens')]
+          + [('warmup', lambda v: v >= 0, 'an integer >= 0'), ('device', device_name, 'auto, cpu, mps, cuda or cuda:N'),
+             ('decode_tokens', lambda v: cfg['block_size'] // 2 + v <= cfg['block_size'],
+              f"at most block_size - block_size // 2 = {cfg['block_size'] - cfg['block_size'] // 2} (decoding follows a prompt of block_size // 2)")])
     # every path's model compiles GPT.forward for training, prefill and decode: more than the default 8 entries
     torch._dynamo.config.recompile_limit = 64
     device = resolve_device(cfg['device'])

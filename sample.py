@@ -2,6 +2,7 @@
 Sample from a trained model.
 
 $ python sample.py --out_dir=out --start="ROMEO:" --num_samples=3 --max_new_tokens=200
+$ python sample.py --help   # every key with its default
 """
 import os
 import sys
@@ -11,7 +12,7 @@ import torch
 
 from model import GPT
 from prepare_data import fail, gpt2_encoding
-from train import autocast, configure, load_checkpoint, resolve_device
+from train import autocast, check, configure, device_name, load_checkpoint, resolve_device
 
 # -----------------------------------------------------------------------------
 out_dir = 'out' # the checkpoint is out_dir/ckpt.pt
@@ -19,7 +20,7 @@ start = "\n" # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE
 num_samples = 10 # number of samples to draw
 max_new_tokens = 500 # number of tokens generated in each sample
 temperature = 0.8 # 1.0 = no change, < 1.0 = less random, > 1.0 = more random, in predictions
-top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 probability
+top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 probability; 0 or None: all
 seed = 1337
 device = 'auto' # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
 dtype = 'auto' # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), or explicit
@@ -48,7 +49,12 @@ def codec(checkpoint, gpt2_dir):
     return lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}), lambda l: enc.decode(l)
 
 def main(argv):
-    cfg, _ = configure(DEFAULTS, argv)
+    cfg, _ = configure(DEFAULTS, argv, nullable=('top_k',))
+    check(cfg, [('num_samples', lambda v: v >= 1, 'an integer >= 1'),
+                ('max_new_tokens', lambda v: v >= 0, 'an integer >= 0'),
+                ('temperature', lambda v: v > 0, 'a number > 0 (smaller is greedier)'),
+                ('top_k', lambda v: v is None or v >= 0, 'an integer >= 0, or None (0 and None: no top-k)'),
+                ('device', device_name, 'auto, cpu, mps, cuda or cuda:N')])
     torch.manual_seed(cfg['seed'])
     device = resolve_device(cfg['device'])
     _, ctx = autocast('cuda' if 'cuda' in device else device, cfg['dtype'])
@@ -70,6 +76,8 @@ def main(argv):
                 start = f.read()
         except OSError as e:
             fail(f"--start={start}: {e.strerror}")
+    if not start:
+        fail("--start is empty: give a prompt, or FILE:prompt.txt with some text in it")
     start_ids = encode(start)
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 
@@ -77,7 +85,7 @@ def main(argv):
     with torch.no_grad():
         with ctx:
             for k in range(cfg['num_samples']):
-                y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'], forward=forward)
+                y = model.generate(x, cfg['max_new_tokens'], temperature=cfg['temperature'], top_k=cfg['top_k'] or None, forward=forward)
                 print(decode(y[0].tolist()))
                 print('---------------')
 

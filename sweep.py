@@ -32,13 +32,14 @@ PRESET = ['--max_iters=1000', '--eval_interval=1000', '--eval_iters=50', '--log_
 
 def run(variant, seed, out_root, extra):
     out_dir = os.path.join(out_root, f'{variant}-{seed}')
-    cmd = [sys.executable, 'train.py', *PRESET, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', *extra]
+    cmd = [sys.executable, 'train.py', *PRESET, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
     log = subprocess.run(cmd, capture_output=True, text=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, 'log.txt'), 'w') as f:
         f.write(log.stdout + log.stderr)
     if log.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed, see {out_dir}/log.txt")
+        tail = '\n'.join('  ' + l for l in (log.stdout + log.stderr).strip().splitlines()[-5:])
+        sys.exit(f"error: {' '.join(cmd)} failed; its last lines (all of them in {out_dir}/log.txt):\n{tail}")
     lines = log.stdout.splitlines()
     val = float([l for l in lines if l.startswith('step ')][-1].split('val loss ')[1].split(',')[0])
     ms = [float(l.split('time ')[1].split('ms')[0]) for l in lines if l.startswith('iter ')]
@@ -51,6 +52,8 @@ def main():
     parser.add_argument('--out', default='out-sweep')
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != '--']
+    if args.seeds < 1:
+        sys.exit(f"error: --seeds={args.seeds} is out of range: an integer >= 1")
     variants = args.variants.split(',')
     for v in variants:
         if v not in VARIANTS:

@@ -13,6 +13,7 @@ import copy
 import pickle
 import subprocess
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -607,7 +608,7 @@ DDP_PATHS = {'dar-block': [], 'attnres-block': ['--residual=attnres'], 'mhc': ['
 
 @pytest.mark.parametrize('path', DDP_PATHS)
 def test_ddp_two_processes_equal_one(workdir, path):
-    args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100'] + DDP_PATHS[path]
+    args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100', '--overwrite=True'] + DDP_PATHS[path]
     one = run(args + ['--out_dir=ddp1'], workdir)
     env = dict(os.environ, OMP_NUM_THREADS='1')
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
@@ -629,6 +630,14 @@ def test_unknown_key_fails_with_one_line(workdir):
     assert p.stderr.strip() == "error: unknown config key 'n_layers' (from --n_layers=2); did you mean 'n_layer'?"
     p = run(['--n_layer=two'], workdir, check=False)
     assert p.returncode != 0 and p.stderr.strip().count('\n') == 0 and 'should be of type int' in p.stderr
+
+@pytest.mark.parametrize('residual', ['standard', 'mhc'])
+def test_every_path_runs_with_only_its_residual_flag(workdir, residual):
+    """The default depth_block=2 is Block DAR's; it does not block a path without depth blocks,
+    but asking for it there is still an error."""
+    run(SMALL + [f'--residual={residual}', f'--out_dir=only-{residual}', '--max_iters=1'], workdir)
+    p = run(SMALL + [f'--residual={residual}', '--depth_block=2', f'--out_dir=only-{residual}-K'], workdir, check=False)
+    assert p.returncode == 1 and last_line(p.stderr) == f'error: depth_block=2 needs residual=attnres or dar'
 
 def test_train_and_sample_smoke(workdir):
     run(SMALL + ['--out_dir=smoke', '--max_iters=3'], workdir)
@@ -859,12 +868,45 @@ def test_bad_inputs_fail_with_one_line(workdir, tmp_path):
          f"error: {os.path.join('bad', 'ckpt.pt')} was trained with depth_block=2; it cannot resume as depth_block=1"),
         (['--device=cuda'], "error: device=cuda but CUDA is not available here"),
         (['--residual=dar', '--depth_block=0'], "error: depth_block=0 must be >= 1"),
+        # every value checked at start, one line naming the flag and its range
+        (['--eval_interval=0'], "error: eval_interval=0 is out of range: an integer >= 1"),
+        (['--batch_size=0'], "error: batch_size=0 is out of range: an integer >= 1"),
+        (['--n_head=0'], "error: n_head=0 is out of range: an integer >= 1"),
+        (['--gradient_accumulation_steps=0'], "error: gradient_accumulation_steps=0 is out of range: an integer >= 1"),
+        (['--dropout=1.5'], "error: dropout=1.5 is out of range: 0 <= dropout < 1"),
+        (['--learning_rate=-0.001'], "error: learning_rate=-0.001 is out of range: a number > 0"),
+        (['--device=gpu'], "error: device='gpu' is out of range: auto, cpu, mps, cuda or cuda:N"),
+        (['--init_from=gpt2'], "error: init_from='gpt2' is out of range: scratch or resume"),
+        ([f'--out_dir={tmp_path / "a-file" / "out"}'], f"error: --out_dir={tmp_path / 'a-file' / 'out'}: Not a directory"),
+        # bad checkpoints: one complete line, never torch's advice to load with weights_only=False
+        ([f'--out_dir={tmp_path / "empty"}', '--init_from=resume'], f"error: {tmp_path / 'empty' / 'ckpt.pt'} is empty (0 bytes): not a checkpoint"),
+        ([f'--out_dir={tmp_path / "garbage"}', '--init_from=resume'],
+         f"error: {tmp_path / 'garbage' / 'ckpt.pt'} is not a readable checkpoint: truncated, damaged or another format"),
+        (['--out_dir=bad', '--init_from=resume', f'--data_dir={tmp_path}', '--dataset=bpe'],
+         f"error: {tmp_path / 'bpe'} holds GPT-2 BPE tokens (no meta.pkl) but {os.path.join('bad', 'ckpt.pt')} has a vocabulary of"),
+        # nothing lost: a scratch run does not replace a checkpoint
+        (['--out_dir=bad'], f"error: {os.path.join('bad', 'ckpt.pt')} exists: continue it with --init_from=resume, replace it with --overwrite=True"),
     ]
+    (tmp_path / 'a-file').write_text('')
+    for name, data in (('empty', b''), ('garbage', b'not a checkpoint at all')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'ckpt.pt').write_bytes(data)
+    (tmp_path / 'bpe').mkdir()
+    for src in ('train.bin', 'val.bin'):
+        (tmp_path / 'bpe' / src).write_bytes((workdir / 'data' / 'shakespeare_char' / src).read_bytes())
     for args, message in cases:
         p = run(SMALL + ['--max_iters=2'] + args, workdir, check=False)
         assert p.returncode == 1, (args, p.stderr)
         assert last_line(p.stderr).startswith(message), (args, last_line(p.stderr))
         assert 'Traceback' not in p.stderr
+    for args, message in [(['--temperature=0.0'], "error: temperature=0.0 is out of range: a number > 0"),
+                          (['--top_k=-1'], "error: top_k=-1 is out of range: an integer >= 0, or None"),
+                          (['--num_samples=0'], "error: num_samples=0 is out of range: an integer >= 1"),
+                          (['--start='], "error: --start is empty: give a prompt")]:
+        p = run(['--out_dir=bad'] + args, workdir, check=False, module='sample.py')
+        assert p.returncode == 1 and last_line(p.stderr).startswith(message), (args, p.stderr)
+    for top_k in ('0', 'None'): # no top-k
+        run(['--out_dir=bad', f'--top_k={top_k}', '--num_samples=1', '--max_new_tokens=5'], workdir, module='sample.py')
     p = run(['--out_dir=bad', '--start=Zebra {x}', '--num_samples=1'], workdir, check=False, module='sample.py')
     assert p.returncode == 1
     assert last_line(p.stderr).startswith("error: the prompt has characters outside the vocabulary of") and p.stderr.strip().endswith("'Zx{}'")
@@ -882,6 +924,45 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir):
     assert stop, out
     ckpt = torch.load(workdir / 'sig' / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] >= 3 and f"iteration {ckpt['iter_num']};" in stop[0]
+
+def test_a_second_sigterm_exits_at_once(workdir):
+    """The first signal asks for a checkpoint at the end of the step; a second one, during that
+    (slow) step, exits at once, without writing."""
+    cmd = [sys.executable, os.path.join(ROOT, 'train.py')] + SMALL + ['--out_dir=sig2', '--max_iters=100000', '--eval_interval=100000',
+           '--n_layer=8', '--n_embd=256', '--block_size=128', '--batch_size=32']
+    p = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout: # wait until training runs
+        if line.startswith('iter 1:'):
+            break
+    p.send_signal(subprocess.signal.SIGTERM)
+    time.sleep(0.3)
+    p.send_signal(subprocess.signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and 'second SIGTERM: exiting now' in err, err
+    assert not (workdir / 'sig2' / 'ckpt.pt').exists()
+
+def test_eval_only_and_resuming_a_finished_run_leave_the_checkpoint(workdir):
+    run(SMALL + ['--out_dir=keep', '--max_iters=2'], workdir)
+    before = (workdir / 'keep' / 'ckpt.pt').read_bytes()
+    run(SMALL + ['--out_dir=keep', '--init_from=resume', '--eval_only=True'], workdir)
+    p = run(SMALL + ['--out_dir=keep', '--init_from=resume', '--max_iters=2'], workdir)
+    assert 'saving checkpoint' not in p.stdout
+    assert (workdir / 'keep' / 'ckpt.pt').read_bytes() == before
+    p = run(SMALL + ['--out_dir=keep', '--overwrite=True', '--max_iters=1'], workdir)
+    assert (workdir / 'keep' / 'ckpt.pt').read_bytes() != before
+    assert 'done: 1 iterations, 1 in this run' in p.stdout and 'sample it with: python sample.py --out_dir=keep' in p.stdout
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py'])
+def test_help_lists_every_key_with_its_default_and_comment(script, tmp_path):
+    p = run(['--help'], tmp_path, module=script)
+    assert p.returncode == 0 and 'keys (--key=value' in p.stdout
+    want = {'train.py': "--eval_iters=20  # batches per split in an eval", 'sample.py': "--top_k=200  # retain only the top_k",
+            'bench.py': "--rounds=10  # timed rounds per path", 'analyze.py': "--batches=8  # val batches"}[script]
+    assert want in p.stdout
+
+def test_a_redirected_log_has_no_progress_bar(workdir):
+    p = run(SMALL + ['--out_dir=bar', '--max_iters=3'], workdir)
+    assert '\r' not in p.stderr and 'it/s' not in p.stderr
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
     run(SMALL + ['--out_dir=nan', '--max_iters=3'], workdir)

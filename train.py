@@ -5,8 +5,11 @@ laptop CPU. Override them with config files (python that sets the same names) an
 $ python train.py
 $ python train.py config/shakespeare_char.py --residual=attnres --depth_block=4
 
-To run with DDP on 8 GPUs of one node:
-$ torchrun --standalone --nproc_per_node=8 train.py config/shakespeare_char.py
+To run with DDP on 8 GPUs of one node (gradient_accumulation_steps counts the micro-batches of
+all ranks together, so it must be a multiple of the number of processes):
+$ torchrun --standalone --nproc_per_node=8 train.py config/shakespeare_char.py --gradient_accumulation_steps=8
+
+python train.py --help lists every key with its default.
 """
 
 import os
@@ -43,6 +46,7 @@ eval_iters = 20 # batches per split in an eval
 eval_only = False # if True, script exits right after the first eval
 always_save_checkpoint = True # if True, always save a checkpoint after each eval
 init_from = 'scratch' # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+overwrite = False # a scratch run may replace an existing out_dir/ckpt.pt
 seed = 1337
 # data
 dataset = 'shakespeare_char'
@@ -57,7 +61,7 @@ n_embd = 128
 dropout = 0.0 # for pretraining 0 is good, for finetuning try 0.1+
 bias = False # do we use bias inside LayerNorm and Linear layers?
 residual = 'dar' # standard | attnres | mhc | dar
-depth_block = 2 # attnres, dar: sublayers per depth block (1 = Full); 2 gives 4 blocks at n_layer=4
+depth_block = 2 # attnres, dar: sublayers per depth block (1 = Full); 2 gives 4 blocks at n_layer=4; other paths: 1
 include_partial = True # attnres, dar: the partial block is a read candidate
 dar_routing = 'cross' # dar: cross | self | crossv | fixed | sepv
 mhc_streams = 2 # mhc: number of streams
@@ -93,9 +97,27 @@ MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
               'depth_block', 'include_partial', 'dar_routing', 'mhc_streams', 'n_expert',
               'n_expert_active', 'n_shared_expert', 'expert_hidden', 'moe_aux_loss_coef', 'moe_z_loss_coef', 'moe_every')
 
-def configure(defaults, argv):
-    """Config from defaults, then config files and --key=value overrides in the order given.
-    Returns the config dict and the set of keys that were set explicitly."""
+def usage(defaults):
+    """The running script's docstring, then every key with its default and the comment of its line."""
+    main = sys.modules['__main__']
+    lines = [(main.__doc__ or '').strip(), '', 'keys (--key=value, or set in a config file):']
+    comments = {}
+    with open(main.__file__) as f:
+        for line in f:
+            key, _, rest = line.partition(' = ')
+            if key in defaults and key not in comments:
+                comments[key] = rest.partition(' # ')[2].strip()
+    for key, value in defaults.items():
+        lines.append(f"  --{key}={value!r}" + (f"  # {comments[key]}" if comments.get(key) else ''))
+    return '\n'.join(lines)
+
+def configure(defaults, argv, nullable=()):
+    """Config from defaults, then config files and --key=value overrides in the order given; the
+    keys in nullable may also be None. Returns the config dict and the set of keys that were set
+    explicitly. --help prints the keys."""
+    if '--help' in argv or '-h' in argv:
+        print(usage(defaults))
+        sys.exit(0)
     config, given = dict(defaults), set()
     for arg in argv:
         if not arg.startswith('--'):
@@ -124,11 +146,39 @@ def configure(defaults, argv):
             default = defaults[key]
             if type(default) is float and type(value) is int:
                 value = float(value)
-            if default is not None and type(value) is not type(default):
+            if default is not None and type(value) is not type(default) and not (value is None and key in nullable):
                 fail(f"{key}={value!r} (from {arg}) should be of type {type(default).__name__}, not {type(value).__name__}")
             config[key] = value
             given.add(key)
     return config, given
+
+def check(cfg, rules):
+    """One line naming the first value out of its range; rules: (key, ok(value), allowed range)."""
+    for key, ok, allowed in rules:
+        if not ok(cfg[key]):
+            fail(f"{key}={cfg[key]!r} is out of range: {allowed}")
+
+def positive(v):
+    return v >= 1
+
+def device_name(v):
+    return v in ('auto', 'cpu', 'mps', 'cuda') or (v.startswith('cuda:') and v[5:].isdigit())
+
+TRAIN_RULES = [(k, positive, 'an integer >= 1') for k in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps',
+                                                        'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')] + [
+    ('max_iters', lambda v: v >= 0, 'an integer >= 0'),
+    ('warmup_iters', lambda v: v >= 0, 'an integer >= 0'),
+    ('lr_decay_iters', lambda v: v >= 0, 'an integer >= 0 (0: max_iters)'),
+    ('dropout', lambda v: 0 <= v < 1, '0 <= dropout < 1'),
+    ('learning_rate', lambda v: v > 0, 'a number > 0'),
+    ('min_lr', lambda v: v >= 0, 'a number >= 0'),
+    ('weight_decay', lambda v: v >= 0, 'a number >= 0'),
+    ('beta1', lambda v: 0 <= v < 1, '0 <= beta1 < 1'),
+    ('beta2', lambda v: 0 <= v < 1, '0 <= beta2 < 1'),
+    ('grad_clip', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
+    ('init_from', lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
+    ('device', device_name, "auto, cpu, mps, cuda or cuda:N"),
+]
 
 def get_lr(it, cfg):
     """Linear warmup (never 0, not even at step 0), then cosine decay to min_lr."""
@@ -147,10 +197,15 @@ def load_checkpoint(path):
     """A checkpoint read safely (weights_only), or one clear line."""
     if not os.path.exists(path):
         fail(f"no checkpoint at {path} (check --out_dir)")
+    if os.path.getsize(path) == 0:
+        fail(f"{path} is empty (0 bytes): not a checkpoint")
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        fail(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e: # torch's message would suggest weights_only=False: never for a file we did not write
+        fail(f"{path} is not a readable checkpoint: truncated, damaged or another format ({type(e).__name__})")
+    if not isinstance(checkpoint, dict) or not {'model', 'model_args'} <= set(checkpoint):
+        fail(f"{path} is not a dar-gpt or nanoGPT checkpoint (no model and model_args in it)")
+    return checkpoint
 
 def save_checkpoint(checkpoint, path):
     """Write to a temp name, then rename: a crash never leaves a half-written ckpt.pt."""
@@ -210,6 +265,11 @@ def get_batch(shards, ix, block_size, device):
 
 def main(argv):
     cfg, given = configure(DEFAULTS, argv)
+    check(cfg, TRAIN_RULES)
+    # the default depth_block=2 belongs to the default path, Block DAR: a path without depth blocks
+    # takes none, unless depth_block was asked for (then GPTConfig says why it cannot be)
+    if cfg['residual'] not in ('attnres', 'dar') and 'depth_block' not in given:
+        cfg['depth_block'] = 1
 
     # various inits, derived attributes, I/O setup
     ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
@@ -228,9 +288,17 @@ def main(argv):
     if accum % world_size != 0:
         fail(f"gradient_accumulation_steps={accum} is not divisible by the {world_size} DDP processes")
     tokens_per_iter = accum * cfg['batch_size'] * cfg['block_size']
+    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    if cfg['init_from'] == 'scratch' and os.path.exists(ckpt_path) and not cfg['overwrite']:
+        fail(f"{ckpt_path} exists: continue it with --init_from=resume, replace it with --overwrite=True, or set another --out_dir")
     if master_process:
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
-        os.makedirs(cfg['out_dir'], exist_ok=True)
+        try:
+            os.makedirs(cfg['out_dir'], exist_ok=True)
+        except OSError as e:
+            fail(f"--out_dir={cfg['out_dir']}: {e.strerror}")
+        if not os.access(cfg['out_dir'], os.W_OK):
+            fail(f"--out_dir={cfg['out_dir']} is not writable")
     device_type = 'cuda' if 'cuda' in device else device # for later use in torch.autocast
     dtype, ctx = autocast(device_type, cfg['dtype'])
     use_compile = cfg['compile'] if cfg['compile'] is not None else device_type == 'cuda'
@@ -254,7 +322,6 @@ def main(argv):
 
     # model init
     torch.manual_seed(cfg['seed'])
-    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
     iter_num, best_val_loss, checkpoint = 0, 1e9, None
     if cfg['init_from'] == 'scratch':
         model_args = {k: cfg[k] for k in MODEL_KEYS if k != 'vocab_size'}
@@ -274,6 +341,8 @@ def main(argv):
                 fail(f"{ckpt_path} was trained with {k}={model_args[k]!r}; it cannot resume as {k}={cfg[k]!r}")
         if meta_vocab_size is not None and meta_vocab_size != model_args['vocab_size']:
             fail(f"{meta_path} has vocab_size {meta_vocab_size} but {ckpt_path} has {model_args['vocab_size']}: another dataset?")
+        if meta_vocab_size is None and model_args['vocab_size'] < 50257:
+            fail(f"{data_dir} holds GPT-2 BPE tokens (no meta.pkl) but {ckpt_path} has a vocabulary of {model_args['vocab_size']}: another dataset?")
         model = GPT.from_checkpoint(checkpoint)
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
@@ -364,14 +433,21 @@ def main(argv):
 
     # training loop
     max_iters = cfg['max_iters']
-    bar = tqdm(total=max_iters, initial=iter_num, disable=not master_process, dynamic_ncols=True, leave=False)
-    t0 = time.time()
+    # the bar only on a terminal: redirected to a log it would write a carriage return per update
+    bar = tqdm(total=max_iters, initial=iter_num, disable=not master_process or not sys.stderr.isatty(), dynamic_ncols=True, leave=False)
+    t0 = t_start = time.time()
     local_iter_num = 0 # number of iterations in the lifetime of this process
     running_mfu = -1.0
-    # SIGINT / SIGTERM: finish the step, save a checkpoint, exit cleanly
+    # SIGINT / SIGTERM: finish the step, save a checkpoint, exit cleanly; a second one exits at once
+    # (the checkpoint is written to a temp name and renamed, so the last good one stays whole)
     signals = []
+    def on_signal(signum, frame):
+        if signals:
+            print(f"second {signal.Signals(signum).name}: exiting now; {ckpt_path} keeps the last saved checkpoint", file=sys.stderr)
+            os._exit(1)
+        signals.append(signal.Signals(signum).name)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: signals.append(signal.Signals(signum).name))
+        signal.signal(sig, on_signal)
     def stop_requested():
         """Whether any rank got a signal, so that all ranks stop at the same iteration."""
         if not ddp:
@@ -384,7 +460,8 @@ def main(argv):
         last = iter_num >= max_iters
         stopping = stop_requested()
         if iter_num % cfg['eval_interval'] == 0 or last or stopping or cfg['eval_only']:
-            checkpoint = checkpoint_now() if iter_num > 0 else None # every rank joins the RNG gather
+            # only a process that trained writes: eval_only, or resuming a finished run, leaves ckpt.pt as it is
+            checkpoint = checkpoint_now() if local_iter_num > 0 else None # every rank joins the RNG gather
             if master_process and stopping:
                 if checkpoint is not None:
                     save_checkpoint(checkpoint, ckpt_path)
@@ -465,6 +542,10 @@ def main(argv):
                 bar.set_postfix(loss=f"{lossf:.4f}", tok_s=f"{tokens_per_iter / dt:,.0f}")
         bar.update(1)
     bar.close()
+    if master_process and local_iter_num > 0 and not stopping:
+        saved = f"best val loss {best_val_loss:.4f} in {ckpt_path}; sample it with: python sample.py --out_dir={cfg['out_dir']}" \
+            if os.path.exists(ckpt_path) else "no checkpoint saved"
+        print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
     if ddp:
         dist.destroy_process_group()
 
