@@ -20,7 +20,7 @@ import torch
 
 from model import GPT
 from prepare_data import fail
-from train import check, configure, load_checkpoint, open_split, get_batch
+from train import check, configure, count, load_checkpoint, open_split, get_batch
 
 # -----------------------------------------------------------------------------
 ckpt = 'out/ckpt.pt'
@@ -142,7 +142,7 @@ def print_tables(results):
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
-    check(cfg, [('batches', lambda v: v >= 1, 'an integer >= 1'), ('batch_size', lambda v: v >= 1, 'an integer >= 1')])
+    check(cfg, [count('batches'), count('batch_size')])
     checkpoint = load_checkpoint(cfg['ckpt'])
     model = GPT.from_checkpoint(checkpoint)
     model.eval()

@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 
 from model import GPT, GPTConfig
-from train import autocast, check, configure, device_name, resolve_device
+from train import autocast, check, configure, count, resolve_device
 from prepare_data import fail
 
 # -----------------------------------------------------------------------------
@@ -158,9 +158,9 @@ def summary(xs):
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
-    check(cfg, [(k, lambda v: v >= 1, 'an integer >= 1') for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
-                                                                    'vocab_size', 'depth_block', 'rounds', 'decode_tokens')]
-          + [('warmup', lambda v: v >= 0, 'an integer >= 0'), ('device', device_name, 'auto, cpu, mps, cuda or cuda:N'),
+    check(cfg, [count(k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'vocab_size', 'depth_block',
+                                   'rounds', 'decode_tokens')]
+          + [count('warmup', 0),
              ('decode_tokens', lambda v: cfg['block_size'] // 2 + v <= cfg['block_size'],
               f"at most block_size - block_size // 2 = {cfg['block_size'] - cfg['block_size'] // 2} (decoding follows a prompt of block_size // 2)")])
     # every path's model compiles GPT.forward for training, prefill and decode: more than the default 8 entries
@@ -218,8 +218,8 @@ def main(argv):
                    peak_memory_mb=memory.get((n, mode)), train_s=summary(t['train']), prefill_s=summary(t['prefill']),
                    train_tok_s=tokens / statistics.median(t['train']), prefill_tok_s=tokens / statistics.median(t['prefill']))
         for k in ('train', 'prefill', 'decode'): # ratio round by round, then the median
-            res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], std[k])) if t[k] else None
-        res['decode_s_per_token'] = summary(t['decode']) if t['decode'] else None
+            res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], std[k]))
+        res['decode_s_per_token'] = summary(t['decode'])
         res['memory_ratio'] = memory[(n, mode)] / memory[('standard', mode)] if (n, mode) in memory else None
         if 'cuda' in device:
             res['mfu'] = runner.model.estimate_mfu(cfg['batch_size'], statistics.median(t['train']))
@@ -239,7 +239,7 @@ def main(argv):
         tr, dec = r['train_s'], r['decode_s_per_token']
         print(f"| {r['path']} | {r['mode']} | {r['params']:,} ({r['active_params']:,}) | {r['warmup_s']:.0f} "
               f"| {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) | {r['train_tok_s']:,.0f} | {r['train_ratio']:.2f} "
-              f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {num(dec and 1e3 * dec['median'], '.2f')} | {num(r['decode_ratio'], '.2f')} "
+              f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} "
               f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} |" + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
     if cfg['json_out']:
         with open(cfg['json_out'], 'w') as f:

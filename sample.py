@@ -12,7 +12,7 @@ import torch
 
 from model import GPT
 from prepare_data import fail, gpt2_encoding
-from train import autocast, check, configure, device_name, load_checkpoint, resolve_device
+from train import autocast, check, configure, count, load_checkpoint, resolve_device
 
 # -----------------------------------------------------------------------------
 out_dir = 'out' # the checkpoint is out_dir/ckpt.pt
@@ -50,11 +50,9 @@ def codec(checkpoint, gpt2_dir):
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv, nullable=('top_k',))
-    check(cfg, [('num_samples', lambda v: v >= 1, 'an integer >= 1'),
-                ('max_new_tokens', lambda v: v >= 0, 'an integer >= 0'),
+    check(cfg, [count('num_samples'), count('max_new_tokens', 0),
                 ('temperature', lambda v: v > 0, 'a number > 0 (smaller is greedier)'),
-                ('top_k', lambda v: v is None or v >= 0, 'an integer >= 0, or None (0 and None: no top-k)'),
-                ('device', device_name, 'auto, cpu, mps, cuda or cuda:N')])
+                ('top_k', lambda v: v is None or v >= 0, 'an integer >= 0, or None (0 and None: no top-k)')])
     torch.manual_seed(cfg['seed'])
     device = resolve_device(cfg['device'])
     _, ctx = autocast('cuda' if 'cuda' in device else device, cfg['dtype'])

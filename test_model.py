@@ -694,17 +694,8 @@ def naive_moe(moe, x):
                 out[b, t] += moe.shared(v)
     return out
 
-def test_moe_matches_naive_per_token_reference():
-    torch.manual_seed(0)
-    moe = MoE(tiny(bias=True, **MOE))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    x = torch.randn(2, 8, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(moe(x)[0], naive_moe(moe, x), atol=1e-5, rtol=1e-5)
-
-def bf16_moe():
+def random_moe():
+    """An MoE with biases and perturbed weights, and an input for it."""
     torch.manual_seed(0)
     moe = MoE(tiny(bias=True, **MOE))
     with torch.no_grad():
@@ -712,16 +703,21 @@ def bf16_moe():
             p.add_(0.1 * torch.randn_like(p))
     return moe, torch.randn(2, 8, 32)
 
+def test_moe_matches_naive_per_token_reference():
+    moe, x = random_moe()
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x)[0], naive_moe(moe, x), atol=1e-5, rtol=1e-5)
+
 def test_moe_grouped_mm_in_bf16_matches_naive_reference():
     """Under bf16 autocast the experts run as one grouped matmul: the fp32 per-token reference
     within bf16 rounding."""
-    moe, x = bf16_moe()
+    moe, x = random_moe()
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
         got = moe(x)[0]
     torch.testing.assert_close(got.float(), naive_moe(moe, x), atol=2e-2, rtol=2e-2)
 
 def test_moe_compiled_bf16_equals_eager_bf16():
-    moe, x = bf16_moe()
+    moe, x = random_moe()
     x.requires_grad_(True)
     with torch.autocast('cpu', dtype=torch.bfloat16):
         want = moe(x)[0]

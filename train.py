@@ -158,16 +158,14 @@ def check(cfg, rules):
         if not ok(cfg[key]):
             fail(f"{key}={cfg[key]!r} is out of range: {allowed}")
 
-def positive(v):
-    return v >= 1
+def count(key, least=1):
+    """The rule for a count: an integer >= least."""
+    return key, lambda v: v >= least, f'an integer >= {least}'
 
-def device_name(v):
-    return v in ('auto', 'cpu', 'mps', 'cuda') or (v.startswith('cuda:') and v[5:].isdigit())
-
-TRAIN_RULES = [(k, positive, 'an integer >= 1') for k in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps',
-                                                        'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')] + [
-    ('max_iters', lambda v: v >= 0, 'an integer >= 0'),
-    ('warmup_iters', lambda v: v >= 0, 'an integer >= 0'),
+TRAIN_RULES = [count(k) for k in ('eval_interval', 'log_interval', 'eval_iters', 'gradient_accumulation_steps',
+                                  'batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd')] + [
+    count('max_iters', 0),
+    count('warmup_iters', 0),
     ('lr_decay_iters', lambda v: v >= 0, 'an integer >= 0 (0: max_iters)'),
     ('dropout', lambda v: 0 <= v < 1, '0 <= dropout < 1'),
     ('learning_rate', lambda v: v > 0, 'a number > 0'),
@@ -177,7 +175,6 @@ TRAIN_RULES = [(k, positive, 'an integer >= 1') for k in ('eval_interval', 'log_
     ('beta2', lambda v: 0 <= v < 1, '0 <= beta2 < 1'),
     ('grad_clip', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
     ('init_from', lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
-    ('device', device_name, "auto, cpu, mps, cuda or cuda:N"),
 ]
 
 def get_lr(it, cfg):
@@ -214,6 +211,8 @@ def save_checkpoint(checkpoint, path):
     os.replace(tmp, path)
 
 def resolve_device(device):
+    if not (device in ('auto', 'cpu', 'mps', 'cuda') or (device.startswith('cuda:') and device[5:].isdigit())):
+        fail(f"device={device!r} is out of range: auto, cpu, mps, cuda or cuda:N")
     if device == 'auto':
         if torch.cuda.is_available():
             return 'cuda'
