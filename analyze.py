@@ -1,18 +1,27 @@
 """
-Look inside a trained checkpoint: where each sublayer reads from over depth, how different the
+Look inside trained checkpoints: where each sublayer reads from over depth, how different the
 two streams are, and whether both streams carry the model (the paper's two analyses).
 
 $ python analyze.py --ckpt=out/ckpt.pt --out=analysis
+$ python analyze.py --ckpt='out-sweep-deep/dar-block-*/ckpt.pt,out-sweep-deep/dar-self-*/ckpt.pt' --out=assets
 
-Writes analysis/analysis.json with every number, and PNG plots when matplotlib is installed
-(pip install matplotlib); without it the same numbers are printed as text tables.
+--ckpt is a comma-separated list; each entry may be a glob, and the checkpoints it matches (seeds
+of one variant) form one group: the numbers are reported per checkpoint and as the group's mean
++- std, and the plots show one panel per group, side by side. Writes <out>/analysis.json with
+every number, and PNG plots when matplotlib is installed (pip install matplotlib); without it the
+same numbers are printed as text tables.
   depth weights  mean softmax weight of every sublayer over its candidates, averaged over val
                  tokens (per stream for DAR; for mHC the pre weights over the streams)
-  CKA            linear CKA of the two streams' histories, paired depths and depth x depth
-  rescue         val loss clean, with stream j's read ablated (zeros), with both ablated
+  CKA            linear CKA of the two streams' histories H^0_r and H^1_q, every (r, q): the mean
+                 over paired depths (r = q) and over unpaired depths (r != q)
+  rescue         ablate and rescue: val loss clean; with stream j's read replaced by zeros at every
+                 sublayer (ablate j); with it replaced by stream k's read (rescue j from k); with
+                 every stream ablated. Rescue gain = ablate j - rescue j from k, and the fraction
+                 of the ablation damage it recovers.
 """
 import os
 import sys
+import glob
 import json
 
 import numpy as np
@@ -23,8 +32,9 @@ from prepare_data import fail
 from train import check, configure, count, load_checkpoint, open_split, get_batch
 
 # -----------------------------------------------------------------------------
-ckpt = 'out/ckpt.pt'
-data_dir = '' # '' = the data_dir/dataset the checkpoint was trained on
+ckpt = 'out/ckpt.pt' # checkpoints, comma-separated; each entry a path or a glob (one group)
+data_dir = '' # as in train.py: val tokens are read from data_dir/dataset; '' = the checkpoint's data_dir
+dataset = '' # '' = the checkpoint's dataset
 out = 'analysis' # folder for analysis.json and the plots
 batches = 8 # val batches for every number
 batch_size = 8
@@ -40,14 +50,14 @@ def cka(X, Y):
     return (torch.linalg.matrix_norm(Y.t() @ X) ** 2 / (torch.linalg.matrix_norm(X.t() @ X) * torch.linalg.matrix_norm(Y.t() @ Y))).item()
 
 def val_batches(cfg, config, block_size):
-    shards = open_split(cfg['data_dir'] or os.path.join(config['data_dir'], config['dataset']), 'val', block_size)
+    shards = open_split(os.path.join(cfg['data_dir'] or config['data_dir'], cfg['dataset'] or config['dataset']), 'val', block_size)
     g = torch.Generator().manual_seed(cfg['seed'])
     ix = torch.randint(sum(w for _, w in shards), (cfg['batches'], cfg['batch_size']), generator=g)
     return [get_batch(shards, i, block_size, 'cpu') for i in ix]
 
 @torch.no_grad()
-def val_loss(model, batches, ablate=None):
-    return float(np.mean([model(X, Y, ablate_stream=ablate)[1].item() for X, Y in batches]))
+def val_loss(model, batches, ablate=None, donor=None):
+    return float(np.mean([model(X, Y, ablate_stream=ablate, donor=donor)[1].item() for X, Y in batches]))
 
 @torch.no_grad()
 def depth_weights(model, batches):
@@ -67,7 +77,8 @@ def depth_weights(model, batches):
 
 @torch.no_grad()
 def stream_cka(model, batches):
-    """Linear CKA between the two streams' history entries H^0_r and H^1_r over the val tokens."""
+    """Linear CKA between the two streams' history entries H^0_r and H^1_q over the val tokens,
+    every (r, q); the mean over paired (r = q) and over unpaired (r != q) depths."""
     H = None
     for X, _ in batches:
         _, _, depth = model(X, return_depth=True)
@@ -75,22 +86,65 @@ def stream_cka(model, batches):
         H = h if H is None else [[torch.cat([a, b]) for a, b in zip(sa, sb)] for sa, sb in zip(H, h)]
     n = len(H[0])
     matrix = [[cka(H[0][r], H[1][q]) for q in range(n)] for r in range(n)]
-    return dict(paired=[matrix[r][r] for r in range(n)], matrix=matrix)
+    paired = [matrix[r][r] for r in range(n)]
+    unpaired = [matrix[r][q] for r in range(n) for q in range(n) if r != q]
+    return dict(matrix=matrix, paired=paired, paired_mean=float(np.mean(paired)), unpaired_mean=float(np.mean(unpaired)))
 
 @torch.no_grad()
 def rescue(model, batches):
-    """Clean loss, each stream's read ablated, both ablated; the loss increase per stream and the
-    fraction of the damage of ablating both that keeping one stream alone recovers."""
+    """Ablate and rescue over the streams j of a two-stream path: clean loss; stream j's read
+    replaced by zeros at every sublayer (ablate j); replaced by stream k's read (rescue j from k);
+    all streams ablated. The damage of ablating j, the rescue gain of each donor k and the fraction
+    of the damage it recovers; balance = min / max damage over the streams (1 = both carry the model)."""
     if model.config.residual not in ('dar', 'mhc'):
         raise ValueError(f"the rescue analysis needs two streams (residual=dar or mhc), this checkpoint has residual={model.config.residual}")
+    n = 2 if model.config.residual == 'dar' else model.config.mhc_streams
     L0 = val_loss(model, batches)
-    abl = [val_loss(model, batches, ablate=j) for j in (0, 1)]
-    both = val_loss(model, batches, ablate=(0, 1))
-    return dict(clean=L0, ablate=abl, ablate_both=both, increase=[a - L0 for a in abl],
-                keep_recovers=[(both - abl[1 - j]) / (both - L0) for j in (0, 1)],
-                balance=min(abl[0] - L0, abl[1] - L0) / max(abl[0] - L0, abl[1] - L0))
+    abl = [val_loss(model, batches, ablate=j) for j in range(n)]
+    resc = [[None if k == j else val_loss(model, batches, ablate=j, donor=k) for k in range(n)] for j in range(n)]
+    damage = [a - L0 for a in abl]
+    gain = [[None if r is None else abl[j] - r for r in row] for j, row in enumerate(resc)]
+    return dict(clean=L0, ablate=abl, rescue=resc, ablate_all=val_loss(model, batches, ablate=tuple(range(n))),
+                damage=damage, rescue_damage=[[None if r is None else r - L0 for r in row] for row in resc], gain=gain,
+                recovered=[[None if g is None else g / damage[j] for g in row] for j, row in enumerate(gain)],
+                balance=min(damage) / max(damage))
 
-def plot(results, folder):
+def analyze(model, batches):
+    """Every analysis of one model: a dict of numbers."""
+    results = dict(residual=model.config.residual, val_loss=val_loss(model, batches))
+    if model.config.residual != 'standard':
+        results['depth_weights'] = depth_weights(model, batches)
+    if model.config.residual in ('dar', 'mhc'):
+        results['cka'] = stream_cka(model, batches)
+        results['rescue'] = rescue(model, batches)
+    return results
+
+def mean_std(values):
+    """Mean and std over checkpoints of equally shaped nested lists (None stays None)."""
+    a = np.array(values, dtype=float)
+    mean, std = a.mean(0), a.std(0, ddof=1) if len(a) > 1 else np.zeros(a.shape[1:])
+    clean = lambda x: None if isinstance(x, float) and np.isnan(x) else x
+    return [clean(x) for x in np.ravel(mean)] if mean.ndim else clean(float(mean)), \
+           [clean(x) for x in np.ravel(std)] if std.ndim else clean(float(std))
+
+def summarize(runs):
+    """A group's mean and std of every number its checkpoints share."""
+    summary = {'val_loss': mean_std([r['val_loss'] for r in runs])}
+    if 'cka' in runs[0]:
+        for key in ('paired_mean', 'unpaired_mean'):
+            summary[f'cka_{key}'] = mean_std([r['cka'][key] for r in runs])
+        summary['cka_matrix'] = np.mean([r['cka']['matrix'] for r in runs], 0).tolist()
+    if 'rescue' in runs[0]:
+        for key in ('clean', 'ablate', 'ablate_all', 'damage', 'balance'):
+            summary[key] = mean_std([r['rescue'][key] for r in runs])
+        for key in ('rescue', 'rescue_damage', 'gain', 'recovered'):
+            summary[key] = mean_std([[[np.nan if x is None else x for x in row] for row in r['rescue'][key]] for r in runs])
+    if 'depth_weights' in runs[0]:
+        summary["depth_weights"] = np.array([r["depth_weights"] for r in runs], dtype=float).mean(0).tolist()
+    return summary
+
+def plot(groups, folder):
+    """One figure per analysis, one panel per group (the mean over its checkpoints)."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -98,70 +152,104 @@ def plot(results, folder):
     except ImportError:
         return []
     files = []
-    grid = np.array(results['depth_weights'], dtype=float)
-    fig, axes = plt.subplots(1, len(grid), figsize=(4.5 * len(grid), 4), squeeze=False)
-    for j, (ax, g) in enumerate(zip(axes[0], grid)):
-        im = ax.imshow(g, cmap='viridis', vmin=0, vmax=np.nanmax(grid), aspect='auto')
-        ax.set_title(f"stream {j}" if len(grid) > 1 else "depth read weights")
-        ax.set_xlabel('candidate (0 = embedding)' if results['residual'] != 'mhc' else 'stream')
-        ax.set_ylabel('sublayer (last row: final read)')
-    fig.colorbar(im, ax=axes[0].tolist())
-    files.append(os.path.join(folder, 'depth_weights.png'))
-    fig.savefig(files[-1], dpi=80)
-    if 'cka' in results:
-        fig, ax = plt.subplots(figsize=(4.5, 4))
-        im = ax.imshow(np.array(results['cka']['matrix']), cmap='magma', vmin=0, vmax=1)
-        ax.set_title('cross-stream linear CKA')
-        ax.set_xlabel('stream 1 entry')
-        ax.set_ylabel('stream 0 entry')
-        fig.colorbar(im)
+    shown = [g for g in groups if 'depth_weights' in g['summary']]
+    if shown:
+        rows = max(len(g['summary']['depth_weights']) for g in shown)
+        fig, axes = plt.subplots(rows, len(shown), figsize=(4 * len(shown), 3.5 * rows), squeeze=False)
+        for c, g in enumerate(shown):
+            grid = np.array(g['summary']['depth_weights'], dtype=float)
+            for j in range(rows):
+                ax = axes[j][c]
+                if j >= len(grid):
+                    ax.axis('off')
+                    continue
+                ax.imshow(grid[j], cmap='viridis', vmin=0, vmax=np.nanmax(grid), aspect='auto')
+                ax.set_xticks(range(grid.shape[-1]))
+                ax.set_title(f"{g['label']}: stream {j}" if len(grid) > 1 else g['label'], fontsize=9)
+                ax.set_xlabel('stream' if g['residual'] == 'mhc' else 'candidate (0 = embedding)')
+                ax.set_ylabel('sublayer (last: final read)')
+        fig.suptitle('depth read weights (mean over val tokens and checkpoints)')
+        fig.tight_layout()
+        files.append(os.path.join(folder, 'depth_weights.png'))
+        fig.savefig(files[-1], dpi=80)
+    shown = [g for g in groups if 'cka_matrix' in g['summary']]
+    if shown:
+        fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 4), squeeze=False)
+        for ax, g in zip(axes[0], shown):
+            m = g['summary']
+            im = ax.imshow(np.array(m['cka_matrix']), cmap='magma', vmin=0, vmax=1)
+            ax.set_title(f"{g['label']}\npaired {m['cka_paired_mean'][0]:.2f}, unpaired {m['cka_unpaired_mean'][0]:.2f}", fontsize=9)
+            ax.set_xlabel('stream 1 entry q')
+            ax.set_ylabel('stream 0 entry r')
+        fig.colorbar(im, ax=axes[0].tolist())
         files.append(os.path.join(folder, 'cka.png'))
         fig.savefig(files[-1], dpi=80)
-    if 'rescue' in results:
-        r = results['rescue']
-        fig, ax = plt.subplots(figsize=(4.5, 3.5))
-        ax.bar(['clean', 'ablate 0', 'ablate 1', 'ablate both'], [r['clean'], *r['ablate'], r['ablate_both']])
-        ax.set_ylabel('val loss')
+    shown = [g for g in groups if 'rescue' in g['summary'] and len(g['summary']['ablate'][0]) == 2]
+    if shown:
+        # val loss minus clean, of each intervention: (key, index), rescue_damage the flattened 2 x 2 (ablated j, donor k)
+        bars = {'ablate 0': ('damage', 0), 'ablate 1': ('damage', 1), 'rescue 0 from 1': ('rescue_damage', 1), 'rescue 1 from 0': ('rescue_damage', 2)}
+        fig, ax = plt.subplots(figsize=(2.5 + 2.2 * len(shown), 4))
+        for b, (name, (key, i)) in enumerate(bars.items()):
+            mean, std = zip(*[(g['summary'][key][0][i], g['summary'][key][1][i]) for g in shown])
+            ax.bar(np.arange(len(shown)) + (b - 1.5) * 0.18, mean, 0.18, yerr=std, label=name)
+        ax.axhline(0, color='black', lw=0.8)
+        ax.set_ylabel('val loss - clean val loss')
+        ax.set_title('ablate and rescue (mean +- std over checkpoints)')
+        ax.legend(fontsize=7)
+        ax.set_xticks(np.arange(len(shown)))
+        ax.set_xticklabels([f"{g['label']}\n(ablate both: {g['summary']['ablate_all'][0] - g['summary']['clean'][0]:+.2f})" for g in shown], fontsize=8)
+        fig.tight_layout()
         files.append(os.path.join(folder, 'rescue.png'))
         fig.savefig(files[-1], dpi=80)
     plt.close('all')
     return files
 
-def print_tables(results):
-    for j, g in enumerate(results['depth_weights']):
-        print(f"depth read weights, stream {j} (rows: sublayers, last = final read; columns: candidates)")
-        for row in g:
-            print('  ' + ' '.join('  -  ' if x is None else f"{x:.3f}" for x in row))
-    if 'cka' in results:
-        print("cross-stream CKA, paired depths: " + ' '.join(f"{x:.3f}" for x in results['cka']['paired']))
-    if 'rescue' in results:
-        r = results['rescue']
-        print(f"rescue: clean {r['clean']:.4f}, ablate stream 0 {r['ablate'][0]:.4f}, stream 1 {r['ablate'][1]:.4f}, "
-              f"both {r['ablate_both']:.4f}; keeping stream 0 / 1 alone recovers "
-              f"{100 * r['keep_recovers'][0]:.1f}% / {100 * r['keep_recovers'][1]:.1f}%; balance {r['balance']:.3f}")
+def print_tables(groups):
+    for g in groups:
+        m = g['summary']
+        pm = lambda key, fmt='.4f': f"{m[key][0]:{fmt}} +- {m[key][1]:{fmt}}"
+        print(f"{g['label']} ({len(g['runs'])} checkpoints, residual={g['residual']}): val loss {pm('val_loss')}")
+        for j, grid in enumerate(m.get('depth_weights', [])):
+            print(f"  depth read weights, stream {j} (rows: sublayers, last = final read; columns: candidates)")
+            for row in grid:
+                print('    ' + ' '.join('  -  ' if np.isnan(x) else f"{x:.3f}" for x in row))
+        if 'cka_matrix' in m:
+            print(f"  cross-stream CKA: paired mean {pm('cka_paired_mean', '.3f')}, unpaired mean {pm('cka_unpaired_mean', '.3f')}")
+        if 'ablate' in m:
+            n = len(m['ablate'][0])
+            print(f"  ablate and rescue: clean {pm('clean')}, ablate all {pm('ablate_all')}, balance {pm('balance', '.3f')}")
+            for j in range(n):
+                print(f"    ablate {j}: {m['ablate'][0][j]:.4f} (damage {m['damage'][0][j]:+.4f})" + ''.join(
+                    f"; rescue from {k}: {m['rescue'][0][j * n + k]:.4f}, gain {m['gain'][0][j * n + k]:+.4f}, "
+                    f"recovers {100 * m['recovered'][0][j * n + k]:.1f}% of the damage" for k in range(n) if k != j))
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
     check(cfg, [count('batches'), count('batch_size')])
-    checkpoint = load_checkpoint(cfg['ckpt'])
-    model = GPT.from_checkpoint(checkpoint)
-    model.eval()
-    batches = val_batches(cfg, checkpoint['config'], model.config.block_size)
-    results = dict(ckpt=cfg['ckpt'], residual=model.config.residual, iter_num=checkpoint['iter_num'],
-                   val_loss=val_loss(model, batches))
-    if model.config.residual != 'standard':
-        results['depth_weights'] = depth_weights(model, batches)
-    if model.config.residual in ('dar', 'mhc'):
-        results['cka'] = stream_cka(model, batches)
-        results['rescue'] = rescue(model, batches)
+    groups = []
+    for entry in cfg['ckpt'].split(','):
+        paths = sorted(glob.glob(entry)) if glob.has_magic(entry) else [entry]
+        if not paths:
+            fail(f"--ckpt: no checkpoint matches {entry}")
+        runs = []
+        for path in paths:
+            checkpoint = load_checkpoint(path)
+            model = GPT.from_checkpoint(checkpoint)
+            model.eval()
+            batches = val_batches(cfg, checkpoint['config'], model.config.block_size)
+            runs.append(dict(ckpt=path, iter_num=checkpoint['iter_num'], **analyze(model, batches)))
+            print(f"{path}: val loss {runs[-1]['val_loss']:.4f}", flush=True)
+        if len({r['residual'] for r in runs}) > 1:
+            fail(f"--ckpt: {entry} matches checkpoints of different paths ({', '.join(sorted({r['residual'] for r in runs}))})")
+        label = os.path.basename(os.path.dirname(entry)) or entry
+        groups.append(dict(label=label, residual=runs[0]['residual'], runs=runs, summary=summarize(runs)))
     os.makedirs(cfg['out'], exist_ok=True)
-    results['plots'] = plot(results, cfg['out']) if 'depth_weights' in results else []
+    plots = plot(groups, cfg['out'])
     with open(os.path.join(cfg['out'], 'analysis.json'), 'w') as f:
-        json.dump(results, f, indent=1)
-    if 'depth_weights' in results:
-        print_tables(results)
-    print(f"val loss {results['val_loss']:.4f}; wrote {os.path.join(cfg['out'], 'analysis.json')}"
-          + (f" and {', '.join(results['plots'])}" if results['plots'] else " (pip install matplotlib for plots)"))
+        json.dump(dict(groups=groups, plots=plots), f, indent=1)
+    print_tables(groups)
+    print(f"wrote {os.path.join(cfg['out'], 'analysis.json')}"
+          + (f" and {', '.join(plots)}" if plots else " (pip install matplotlib for plots)"))
 
 if __name__ == '__main__':
     main(sys.argv[1:])

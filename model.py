@@ -246,7 +246,7 @@ class DepthState:
         self.rms = [[rms(e)] for _ in range(streams)] # rms(H^j_r), taken once per entry, for its use as a key
         self.P = None # [P^j], or None for P^j = 0 (an empty partial, no candidate)
         self.weights = [] if record else None # read weights of every sublayer, for return_depth
-        self.ablate = ablate or () # analysis: streams whose reads are replaced by zeros
+        self.ablate = ablate or {} # analysis: {stream j: None (its read replaced by zeros) or donor stream k (by k's read)}
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
@@ -350,7 +350,7 @@ class MHCState:
     def __init__(self, X, record=False, ablate=None):
         self.X = X # (B, T, n, C)
         self.post = self.M = None
-        self.ablate = ablate
+        self.ablate = ablate or {} # analysis: {stream j: None (read as zeros) or donor stream k (read as X_k)}
         self.weights = [] if record else None
         self.H = [X] if record else None
 
@@ -394,8 +394,10 @@ class MHC(nn.Module):
             s.post = 2 * torch.sigmoid(s_post * z[..., n:2 * n] + self.b_post[l]) # (B, T, n)
             # M = Sinkhorn(s_res * xf @ W_res + B_res)
             s.M = sinkhorn(s_res * z[..., 2 * n:].unflatten(-1, (n, n)) + self.B_res[l]) # (B, T, n, n)
-        if s.ablate is not None: # analysis: these streams' contributions to the read removed
-            pre = pre.index_fill(-1, torch.tensor(s.ablate, device=pre.device), 0.0)
+        for j, k in s.ablate.items(): # analysis: X_j read as 0 (pre_j = 0), or as the donor's X_k (pre_j added to pre_k)
+            if k is not None:
+                pre = pre + pre[..., j:j + 1] * F.one_hot(torch.tensor(k, device=pre.device), n)
+            pre = pre.index_fill(-1, torch.tensor([j], device=pre.device), 0.0)
         if s.weights is not None:
             s.weights.append(pre.detach().permute(2, 0, 1)) # (n, B, T)
         # x = sum_i pre_i X_i
@@ -463,8 +465,10 @@ class DAR(nn.Module):
             if self.sepv:
                 # SepV: sum_r a_r W^j_V v_r = W^j_V h^j, the value projection taken out of the sum
                 h_j = h_j @ self.value_proj[l, j].t()
-            h.append(torch.zeros_like(h_j) if j in s.ablate else h_j) # ablated: h^j = 0 (analysis)
+            h.append(h_j)
             weights.append(a)
+        for j, k in s.ablate.items(): # analysis: ablated h^j = 0, or rescued h^j = h^k
+            h[j] = torch.zeros_like(h[j]) if k is None else h[k]
         if s.weights is not None:
             s.weights.append(torch.stack(weights).detach()) # (2, R, B, T)
         alpha = torch.sigmoid(self.alpha_logit[l])
@@ -544,15 +548,18 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, cache=None, return_depth=False, ablate_stream=None):
+    def forward(self, idx, targets=None, cache=None, return_depth=False, ablate_stream=None, donor=None):
         """Logits for the last position (all positions when targets are given), the loss, and
-        with return_depth a dict of the depth read weights and stream histories. ablate_stream=j
-        or (j, ...) (dar, mhc) replaces those streams' reads by zeros at every sublayer, for the
-        rescue analysis."""
+        with return_depth a dict of the depth read weights and stream histories. For the
+        ablate-and-rescue analysis (dar, mhc): ablate_stream=j or (j, ...) replaces those streams'
+        reads by zeros at every sublayer; with donor=k, by stream k's read instead (rescue)."""
         if ablate_stream is not None and self.config.residual not in ('dar', 'mhc'):
             raise ValueError(f"ablate_stream needs a multi-stream path (dar or mhc), not residual={self.config.residual}")
         if isinstance(ablate_stream, int):
             ablate_stream = (ablate_stream,)
+        if donor is not None and (ablate_stream is None or donor in ablate_stream):
+            raise ValueError(f"donor={donor} must be a stream that is not ablated (ablate_stream={ablate_stream})")
+        ablate_stream = {j: donor for j in ablate_stream} if ablate_stream is not None else None
         device = idx.device
         b, t = idx.size()
         assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"

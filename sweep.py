@@ -1,86 +1,172 @@
 """
 Small-scale reproduction: train every residual path for a few seeds at identical
-hyperparameters and tokens, then write one results table.
+hyperparameters and tokens, then write one results table and the val-loss curves.
 
 $ python sweep.py                                   # 10 variants x 3 seeds, CPU preset
+$ python sweep.py --config=config/deep_shakespeare.py --out=out-sweep-deep --variants=standard,dar-block
 $ python sweep.py --seeds=1 --variants=standard,dar-block -- --max_iters=200
 
-Arguments after '--' go to every train.py run. Each run writes out-sweep/<variant>-<seed>/
-(checkpoint and log); the table goes to out-sweep/results.md and results.json.
+--config is a train.py config file applied after the CPU preset below; arguments after '--' go
+to every train.py run last. Each run writes <out>/<variant>-<seed>/ (checkpoint, log.txt, and
+result.json once finished). The sweep resumes: a finished run is read back, not repeated, and a
+stopped one continues from its checkpoint. The table goes to <out>/results.md and results.json
+(with every run's val-loss curve), the curves to <out>/curves.png (needs matplotlib).
 """
 import os
 import sys
 import json
+import math
 import argparse
 import statistics
 import subprocess
 
-VARIANTS = {
-    'standard': ['--residual=standard', '--depth_block=1'],
-    'attnres-block': ['--residual=attnres', '--depth_block=2'],
+import numpy as np
+import torch
+
+VARIANTS = { # block variants take depth_block from the preset (train.py's default: 2)
+    'standard': ['--residual=standard'],
+    'attnres-block': ['--residual=attnres'],
     'attnres-full': ['--residual=attnres', '--depth_block=1'],
-    'mhc-2': ['--residual=mhc', '--depth_block=1'],
-    'dar-block': ['--residual=dar', '--depth_block=2'],
+    'mhc-2': ['--residual=mhc'],
+    'dar-block': ['--residual=dar'],
     'dar-full': ['--residual=dar', '--depth_block=1'],
-    'dar-self': ['--residual=dar', '--depth_block=2', '--dar_routing=self'],
-    'dar-crossv': ['--residual=dar', '--depth_block=2', '--dar_routing=crossv'],
-    'dar-fixed': ['--residual=dar', '--depth_block=2', '--dar_routing=fixed'],
-    'dar-sepv': ['--residual=dar', '--depth_block=2', '--dar_routing=sepv'],
+    'dar-self': ['--residual=dar', '--dar_routing=self'],
+    'dar-crossv': ['--residual=dar', '--dar_routing=crossv'],
+    'dar-fixed': ['--residual=dar', '--dar_routing=fixed'],
+    'dar-sepv': ['--residual=dar', '--dar_routing=sepv'],
 }
 # the CPU preset of every run: the train.py defaults, 1000 steps, a final eval on 50 batches
 PRESET = ['--max_iters=1000', '--eval_interval=1000', '--eval_iters=50', '--log_interval=50', '--device=cpu']
+# the claims tested: each variant against standard, DAR against AttnRes and against SelfKV
+PAIRS = [('dar-block', 'attnres-block'), ('dar-full', 'attnres-full'), ('dar-block', 'dar-self')]
 
-def run(variant, seed, out_root, extra):
+def run(variant, seed, out_root, config, extra):
+    """Train one run to the end (or read it back when finished); its final val loss, median step
+    time in ms, and val-loss curve [(iter, val)]."""
     out_dir = os.path.join(out_root, f'{variant}-{seed}')
-    cmd = [sys.executable, 'train.py', *PRESET, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', '--overwrite=True', *extra]
+    result_path = os.path.join(out_dir, 'result.json')
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    start = '--init_from=resume' if os.path.exists(ckpt_path) else '--overwrite=True'
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'), *PRESET, *config, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', start, *extra]
     log = subprocess.run(cmd, capture_output=True, text=True)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, 'log.txt'), 'w') as f:
+    with open(os.path.join(out_dir, 'log.txt'), 'a') as f: # a resumed run adds to the log of its start
         f.write(log.stdout + log.stderr)
     if log.returncode != 0:
         tail = '\n'.join('  ' + l for l in (log.stdout + log.stderr).strip().splitlines()[-5:])
         sys.exit(f"error: {' '.join(cmd)} failed; its last lines (all of them in {out_dir}/log.txt):\n{tail}")
-    lines = log.stdout.splitlines()
-    val = float([l for l in lines if l.startswith('step ')][-1].split('val loss ')[1].split(',')[0])
-    ms = [float(l.split('time ')[1].split('ms')[0]) for l in lines if l.startswith('iter ')]
-    return val, statistics.median(ms)
+    with open(os.path.join(out_dir, 'log.txt')) as f:
+        ms = [float(l.split('time ')[1].split('ms')[0]) for l in f if l.startswith('iter ')]
+    curve = [(it, val) for it, _, val in torch.load(ckpt_path, weights_only=True)['curve']]
+    result = dict(seed=seed, val=curve[-1][1], ms=statistics.median(ms), curve=curve)
+    with open(result_path + '.tmp', 'w') as f:
+        json.dump(result, f)
+    os.replace(result_path + '.tmp', result_path)
+    return result
+
+def welch(a, b):
+    """Two-sided p-value of Welch's t-test that samples a and b have equal means.
+    P(|T| <= t) for Student's t with df degrees of freedom is I_y(1/2, df/2) at y = t^2 / (df + t^2);
+    with u = v^2 the regularized incomplete beta is an integral of a function bounded on [0, sqrt(y)]."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return 1.0 if statistics.mean(a) == statistics.mean(b) else 0.0
+    t = abs(statistics.mean(a) - statistics.mean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) # Welch-Satterthwaite
+    v = torch.linspace(0.0, t / math.sqrt(df + t * t), 100001, dtype=torch.float64)
+    beta = math.exp(math.lgamma(0.5) + math.lgamma(df / 2) - math.lgamma(df / 2 + 0.5)) # B(1/2, df/2)
+    return 1.0 - torch.trapezoid(2 * (1 - v * v) ** (df / 2 - 1), v).item() / beta
+
+def tables(results):
+    """The results table (mean +- std, vs standard with Welch p) and the DAR comparisons."""
+    vals = {v: [r['val'] for r in rs] for v, rs in results.items()}
+    ms = {v: statistics.mean(r['ms'] for r in rs) for v, rs in results.items()}
+    mean = {v: statistics.mean(x) for v, x in vals.items()}
+    ref = 'standard' if 'standard' in results else None
+    rows = ['| variant | val loss (mean +- std) | vs standard | p (Welch, vs standard) | step time (median ms) | step time ratio |',
+            '|---|---|---|---|---|---|']
+    for v, x in vals.items():
+        std = statistics.stdev(x) if len(x) > 1 else 0.0
+        rel = p = ratio = ''
+        if ref:
+            rel, ratio = f"{100 * (mean[v] / mean[ref] - 1):+.2f}%", f"{ms[v] / ms[ref]:.2f}x"
+            p = f"{welch(x, vals[ref]):.3f}" if v != ref and len(x) > 1 and len(vals[ref]) > 1 else ''
+        rows.append(f"| {v} | {mean[v]:.4f} +- {std:.4f} | {rel} | {p} | {ms[v]:.1f} | {ratio} |")
+    pairs = [(a, b) for a, b in PAIRS if a in vals and b in vals and len(vals[a]) > 1 and len(vals[b]) > 1]
+    if pairs:
+        rows += ['', '| comparison | difference in val loss | p (Welch) |', '|---|---|---|']
+        rows += [f"| {a} vs {b} | {mean[a] - mean[b]:+.4f} ({100 * (mean[a] / mean[b] - 1):+.2f}%) | {welch(vals[a], vals[b]):.3f} |" for a, b in pairs]
+    return '\n'.join(rows)
+
+def plot_curves(results, path):
+    """Val loss against step, mean over seeds with a +-1 std band: all steps, and zoomed on the second half."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    lows, highs = [], []
+    for v, rs in results.items():
+        steps = np.array([it for it, _ in rs[0]['curve']])
+        curves = np.array([[val for _, val in r['curve']] for r in rs]) # (seeds, evals)
+        mean, std = curves.mean(0), curves.std(0, ddof=1) if len(rs) > 1 else np.zeros(len(steps))
+        late = steps >= steps[-1] / 2
+        lows.append((mean - std)[late].min())
+        highs.append((mean + std)[late].max())
+        for ax in axes:
+            line, = ax.plot(steps, mean, label=v)
+            ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    axes[0].set_title('val loss (mean over seeds, band: +-1 std)')
+    axes[1].set_title('second half, zoomed')
+    axes[1].set_xlim(steps[-1] / 2, steps[-1])
+    pad = 0.05 * (max(highs) - min(lows))
+    axes[1].set_ylim(min(lows) - pad, max(highs) + pad)
+    for ax in axes:
+        ax.set_xlabel('step')
+        ax.set_ylabel('val loss')
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--seeds', type=int, default=3)
     parser.add_argument('--variants', default=','.join(VARIANTS))
+    parser.add_argument('--config', default=None, help='a train.py config file for every run')
     parser.add_argument('--out', default='out-sweep')
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != '--']
     if args.seeds < 1:
         sys.exit(f"error: --seeds={args.seeds} is out of range: an integer >= 1")
+    if args.config is not None and not os.path.isfile(args.config):
+        sys.exit(f"error: --config={args.config}: no such file")
     variants = args.variants.split(',')
     for v in variants:
         if v not in VARIANTS:
             sys.exit(f"error: unknown variant {v}; one of {', '.join(VARIANTS)}")
+    config = [args.config] if args.config else []
     results = {v: [] for v in variants}
     for seed in range(args.seeds): # seeds outermost: a stopped sweep still has every variant
         for v in variants:
-            val, ms = run(v, 1337 + seed, args.out, extra)
-            results[v].append(dict(seed=1337 + seed, val=val, ms=ms))
-            print(f"{v} seed {1337 + seed}: val loss {val:.4f}, {ms:.1f} ms/step", flush=True)
-    ref = results.get('standard')
-    rows = ['| variant | val loss (mean +- std) | vs standard | step time (median ms) | step time ratio |',
-            '|---|---|---|---|---|']
-    for v, rs in results.items():
-        vals, ms = [r['val'] for r in rs], statistics.mean(r['ms'] for r in rs)
-        mean, std = statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
-        rel = ratio = ''
-        if ref:
-            ref_val, ref_ms = statistics.mean(r['val'] for r in ref), statistics.mean(r['ms'] for r in ref)
-            rel, ratio = f"{100 * (mean / ref_val - 1):+.2f}%", f"{ms / ref_ms:.2f}x"
-        rows.append(f"| {v} | {mean:.4f} +- {std:.4f} | {rel} | {ms:.1f} | {ratio} |")
-    table = '\n'.join(rows)
+            r = run(v, 1337 + seed, args.out, config, extra)
+            results[v].append(r)
+            print(f"{v} seed {1337 + seed}: val loss {r['val']:.4f}, {r['ms']:.1f} ms/step", flush=True)
+    table = tables(results)
     print(table)
     with open(os.path.join(args.out, 'results.md'), 'w') as f:
         f.write(table + '\n')
     with open(os.path.join(args.out, 'results.json'), 'w') as f:
         json.dump(results, f, indent=1)
+    png = plot_curves(results, os.path.join(args.out, 'curves.png'))
+    print(f"wrote {os.path.join(args.out, 'results.md')}, results.json" + (f" and {png}" if png else " (pip install matplotlib for the curves)"))
 
 if __name__ == '__main__':
     main()

@@ -549,6 +549,37 @@ def test_dar_ablating_a_stream_changes_the_loss():
     with pytest.raises(ValueError, match='multi-stream'):
         make('standard')(idx, idx, ablate_stream=0)
 
+@pytest.mark.parametrize('name', ['dar-cross-block', 'dar-self-full', 'dar-sepv-block'])
+def test_dar_rescue_reads_the_donor_stream(name):
+    """Rescuing stream j from k replaces h^j by h^k at every read, so x = h^k: the same as alpha
+    saturated towards target k."""
+    model = make(name)
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        rescued = [model(idx, idx, ablate_stream=j, donor=1 - j)[0] for j in (0, 1)]
+        for j, sign in ((0, -1.0), (1, 1.0)): # donor 1: alpha -> 0; donor 0: alpha -> 1
+            model.transformer.res.alpha_logit.fill_(sign * 30.0)
+            assert torch.allclose(rescued[j], full_logits(model, idx), atol=1e-5)
+    with pytest.raises(ValueError, match='donor=0 must be a stream that is not ablated'):
+        model(idx, idx, ablate_stream=0, donor=0)
+
+def test_mhc_rescue_moves_the_read_weight_to_the_donor():
+    """With the pre weights of stream j moved to k, a model whose streams are equal reads as if clean."""
+    model = make('mhc')
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        clean, _ = model(idx, idx)
+        ablated, _ = model(idx, idx, ablate_stream=0)
+        rescued, _ = model(idx, idx, ablate_stream=0, donor=1)
+        assert not torch.allclose(rescued, clean) and not torch.allclose(rescued, ablated)
+        res = model.transformer.res # streams stay equal: M mixes equal rows, post writes the same to both
+        res.proj[:, :, 2:].zero_()
+        res.b_post.zero_()
+        res.B_res.zero_()
+        clean, _ = model(idx, idx)
+        assert torch.allclose(model(idx, idx, ablate_stream=0, donor=1)[0], clean, atol=1e-5)
+        assert torch.allclose(model(idx, idx, ablate_stream=1, donor=0)[0], clean, atol=1e-5)
+
 # -----------------------------------------------------------------------------
 # train.py, sample.py, prepare_data.py
 
@@ -794,6 +825,7 @@ def test_moe_active_parameter_count():
 # analyze.py
 
 import analyze
+import sweep as sweep_module
 
 def test_cka_properties():
     g = torch.Generator().manual_seed(0)
@@ -809,7 +841,9 @@ def test_rescue_ablation_only_for_two_stream_paths():
     batches = [(idx[0], idx[1])]
     for name in ('dar-cross-block', 'mhc'):
         r = analyze.rescue(make(name), batches)
-        assert r['ablate'][0] != r['clean'] and r['ablate'][1] != r['clean'] and r['ablate_both'] != r['clean']
+        assert r['ablate'][0] != r['clean'] and r['ablate'][1] != r['clean'] and r['ablate_all'] != r['clean']
+        assert r['rescue'][0][0] is None and r['gain'][0][1] == pytest.approx(r['ablate'][0] - r['rescue'][0][1])
+        assert r['recovered'][1][0] == pytest.approx(r['gain'][1][0] / (r['ablate'][1] - r['clean']))
     with pytest.raises(ValueError, match='the rescue analysis needs two streams'):
         analyze.rescue(make('standard'), batches)
 
@@ -818,21 +852,58 @@ def test_analyze_runs_on_a_tiny_checkpoint(workdir, residual):
     out = f'an-{residual}'
     run(SMALL + [f'--out_dir={out}', '--max_iters=2', f'--residual={residual}',
                  '--depth_block=' + ('2' if residual == 'dar' else '1')], workdir)
-    p = run([f'--ckpt={out}/ckpt.pt', f'--out={out}', '--batches=2', '--batch_size=2'], workdir, module='analyze.py')
+    run(SMALL + [f'--out_dir={out}-2', '--max_iters=2', '--seed=2', f'--residual={residual}'], workdir)
+    p = run([f'--ckpt={out}/ckpt.pt,{out}*/ckpt.pt', f'--out={out}', '--batches=2', '--batch_size=2'], workdir, module='analyze.py')
     with open(workdir / out / 'analysis.json') as f:
-        results = json.load(f)
+        analysis = json.load(f)
+    one, both = analysis['groups'] # the first entry alone, then the glob over both seeds
+    assert [len(one['runs']), len(both['runs'])] == [1, 2] and both['label'] == f'{out}*'
+    results = one['runs'][0]
     assert results['residual'] == residual and results['val_loss'] > 0
+    assert both['summary']['val_loss'][0] == pytest.approx(np.mean([r['val_loss'] for r in both['runs']]))
     if residual == 'dar':
         assert len(results['depth_weights']) == 2 and len(results['cka']['paired']) == 3 # e + 2 blocks
-        assert set(results['rescue']) >= {'clean', 'ablate', 'ablate_both', 'keep_recovers'}
+        m = np.array(results['cka']['matrix'])
+        assert results['cka']['paired_mean'] == pytest.approx(np.trace(m) / 3)
+        assert results['cka']['unpaired_mean'] == pytest.approx((m.sum() - np.trace(m)) / 6)
+        assert set(results['rescue']) >= {'clean', 'ablate', 'rescue', 'ablate_all', 'gain', 'recovered', 'balance'}
+        plots = analysis['plots']
         try:
             import matplotlib # noqa: F401
-            assert all(os.path.exists(workdir / f) for f in results['plots']) and len(results['plots']) == 3
+            assert all(os.path.exists(workdir / f) for f in plots) and len(plots) == 3
         except ImportError:
             assert 'depth read weights, stream 0' in p.stdout
 
 # -----------------------------------------------------------------------------
 # bad input: one clear line and a non-zero exit; no lost work
+
+def test_sweep_resumes_and_records_curves(workdir):
+    """A finished run is read back, not repeated; a stopped one continues from its checkpoint to the
+    same curve as an uninterrupted run; the table has Welch p-values once there are seeds."""
+    def sweep(out, iters, seeds=1):
+        return run([f'--seeds={seeds}', '--variants=standard,dar-block', f'--out={out}', '--', *SMALL,
+                    f'--max_iters={iters}', '--eval_interval=2'], workdir, module='sweep.py')
+    sweep('sw-full', 4, seeds=2)
+    sweep('sw', 2)
+    os.remove(workdir / 'sw' / 'dar-block-1337' / 'result.json') # as if stopped after its last checkpoint
+    finished = (workdir / 'sw' / 'standard-1337' / 'log.txt').read_text()
+    sweep('sw', 4)
+    assert (workdir / 'sw' / 'standard-1337' / 'log.txt').read_text() == finished # not run again
+    assert 'Resuming training' in (workdir / 'sw' / 'dar-block-1337' / 'log.txt').read_text()
+    full, resumed = (json.loads((workdir / d / 'results.json').read_text()) for d in ('sw-full', 'sw'))
+    assert [it for it, _ in resumed['dar-block'][0]['curve']] == [0, 2, 4]
+    assert resumed['dar-block'][0]['curve'] == full['dar-block'][0]['curve']
+    assert len(resumed['standard'][0]['curve']) == 2 # the finished 2-step run, read back
+    table = (workdir / 'sw-full' / 'results.md').read_text().splitlines()
+    dar = [l for l in table if l.startswith('| dar-block |')][0].split(' | ')
+    vals = [r['val'] for r in full['dar-block']], [r['val'] for r in full['standard']]
+    assert float(dar[3]) == pytest.approx(sweep_module.welch(*vals), abs=1e-3)
+
+def test_welch_p_values():
+    # two-sided Welch p-values; references from I_x(df/2, 1/2) by mpmath.betainc, an independent incomplete beta
+    assert sweep_module.welch([1, 2, 3], [4, 5, 6]) == pytest.approx(0.021311641, abs=1e-6)
+    assert sweep_module.welch([1, 2, 3, 4], [1.5, 2.5, 3.5, 9]) == pytest.approx(0.418219265, abs=1e-6)
+    assert sweep_module.welch([1, 2, 3], [1, 2, 3]) == pytest.approx(1.0)
 
 def last_line(stderr):
     return stderr.replace('\r', '\n').strip().splitlines()[-1]

@@ -265,9 +265,10 @@ def get_batch(shards, ix, block_size, device):
 def main(argv):
     cfg, given = configure(DEFAULTS, argv)
     check(cfg, TRAIN_RULES)
-    # the default depth_block=2 belongs to the default path, Block DAR: a path without depth blocks
-    # takes none, unless depth_block was asked for (then GPTConfig says why it cannot be)
-    if cfg['residual'] not in ('attnres', 'dar') and 'depth_block' not in given:
+    # the default depth_block (train.py's 2, or a preset file's) belongs to the depth paths: a path
+    # without depth blocks takes none, unless --depth_block was asked for (then GPTConfig says why it cannot be)
+    flags = {a[2:].split('=', 1)[0] for a in argv if a.startswith('--')}
+    if cfg['residual'] not in ('attnres', 'dar') and 'depth_block' not in flags:
         cfg['depth_block'] = 1
 
     # various inits, derived attributes, I/O setup
@@ -322,6 +323,7 @@ def main(argv):
     # model init
     torch.manual_seed(cfg['seed'])
     iter_num, best_val_loss, checkpoint = 0, 1e9, None
+    curve = [] # (iter, train loss, val loss) of every eval, kept in the checkpoint
     if cfg['init_from'] == 'scratch':
         model_args = {k: cfg[k] for k in MODEL_KEYS if k != 'vocab_size'}
         model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
@@ -345,6 +347,7 @@ def main(argv):
         model = GPT.from_checkpoint(checkpoint)
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
+        curve = checkpoint.get('curve', [])
     else:
         fail(f"init_from={cfg['init_from']} is not one of scratch, resume")
     model.to(device)
@@ -426,6 +429,7 @@ def main(argv):
             'model_args': model_args,
             'iter_num': iter_num,
             'best_val_loss': best_val_loss,
+            'curve': list(curve),
             'config': cfg,
             'rng': rng_states(),
         }
@@ -475,9 +479,12 @@ def main(argv):
                     load = ' | '.join(' '.join(f"{100 * f:.0f}" for f in layer) for layer in r['load'].tolist())
                     line += f", val balance {r['balance']:.4f}, val z {r['z']:.4f}\n  expert load (% of slots, per MoE layer): {load}"
                 tqdm.write(line)
+                if not curve or curve[-1][0] < iter_num: # a resumed run re-evaluates its last step
+                    curve.append((iter_num, losses['train'], losses['val']))
                 if checkpoint is not None and (losses['val'] < best_val_loss or cfg['always_save_checkpoint']):
                     best_val_loss = min(best_val_loss, losses['val'])
                     checkpoint['best_val_loss'] = best_val_loss
+                    checkpoint['curve'] = list(curve)
                     tqdm.write(f"saving checkpoint to {cfg['out_dir']}")
                     save_checkpoint(checkpoint, ckpt_path)
             checkpoint = None
