@@ -14,10 +14,10 @@ same numbers are printed as text tables.
                  tokens (per stream for DAR; for mHC the pre weights over the streams)
   CKA            linear CKA of the two streams' histories H^0_r and H^1_q, every (r, q): the mean
                  over paired depths (r = q) and over unpaired depths (r != q)
-  rescue         ablate and rescue: val loss clean; with stream j's read replaced by zeros at every
-                 sublayer (ablate j); with it replaced by stream k's read (rescue j from k); with
-                 every stream ablated. Rescue gain = ablate j - rescue j from k, and the fraction
-                 of the ablation damage it recovers.
+  rescue         ablate and rescue: val loss clean; with stream j's read at every sublayer replaced
+                 by its mean over the batch at each position (ablate j: a mean ablation); with it
+                 replaced by stream k's read (rescue j from k); with every stream ablated. Rescue
+                 gain = ablate j - rescue j from k, and the fraction of the ablation damage it recovers.
 """
 import os
 import sys
@@ -93,7 +93,7 @@ def stream_cka(model, batches):
 @torch.no_grad()
 def rescue(model, batches):
     """Ablate and rescue over the streams j of a two-stream path: clean loss; stream j's read
-    replaced by zeros at every sublayer (ablate j); replaced by stream k's read (rescue j from k);
+    replaced by its batch mean at every sublayer (ablate j); replaced by stream k's read (rescue j from k);
     all streams ablated. The damage of ablating j, the rescue gain of each donor k and the fraction
     of the damage it recovers; balance = min / max damage over the streams (1 = both carry the model)."""
     if model.config.residual not in ('dar', 'mhc'):

@@ -246,7 +246,7 @@ class DepthState:
         self.rms = [[rms(e)] for _ in range(streams)] # rms(H^j_r), taken once per entry, for its use as a key
         self.P = None # [P^j], or None for P^j = 0 (an empty partial, no candidate)
         self.weights = [] if record else None # read weights of every sublayer, for return_depth
-        self.ablate = ablate or {} # analysis: {stream j: None (its read replaced by zeros) or donor stream k (by k's read)}
+        self.ablate = ablate or {} # analysis: {stream j: None (its read replaced by its batch mean) or donor stream k (by k's read)}
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
@@ -350,7 +350,7 @@ class MHCState:
     def __init__(self, X, record=False, ablate=None):
         self.X = X # (B, T, n, C)
         self.post = self.M = None
-        self.ablate = ablate or {} # analysis: {stream j: None (read as zeros) or donor stream k (read as X_k)}
+        self.ablate = ablate or {} # analysis: {stream j: None (read as its batch mean) or donor stream k (read as X_k)}
         self.weights = [] if record else None
         self.H = [X] if record else None
 
@@ -394,14 +394,14 @@ class MHC(nn.Module):
             s.post = 2 * torch.sigmoid(s_post * z[..., n:2 * n] + self.b_post[l]) # (B, T, n)
             # M = Sinkhorn(s_res * xf @ W_res + B_res)
             s.M = sinkhorn(s_res * z[..., 2 * n:].unflatten(-1, (n, n)) + self.B_res[l]) # (B, T, n, n)
-        for j, k in s.ablate.items(): # analysis: X_j read as 0 (pre_j = 0), or as the donor's X_k (pre_j added to pre_k)
-            if k is not None:
-                pre = pre + pre[..., j:j + 1] * F.one_hot(torch.tensor(k, device=pre.device), n)
-            pre = pre.index_fill(-1, torch.tensor([j], device=pre.device), 0.0)
         if s.weights is not None:
             s.weights.append(pre.detach().permute(2, 0, 1)) # (n, B, T)
+        X = s.X
+        for j, k in s.ablate.items(): # analysis: X_j read as its mean over the batch (per position), or as the donor's X_k
+            X_j = X[:, :, j].mean(0, keepdim=True).expand_as(X[:, :, j]) if k is None else X[:, :, k]
+            X = X.index_copy(2, torch.tensor([j], device=X.device), X_j.unsqueeze(2))
         # x = sum_i pre_i X_i
-        return (pre.unsqueeze(-1) * s.X).sum(2)
+        return (pre.unsqueeze(-1) * X).sum(2)
 
     def write(self, s, l, y):
         # X_i <- sum_k M_ik X_k + post_i * y
@@ -467,8 +467,8 @@ class DAR(nn.Module):
                 h_j = h_j @ self.value_proj[l, j].t()
             h.append(h_j)
             weights.append(a)
-        for j, k in s.ablate.items(): # analysis: ablated h^j = 0, or rescued h^j = h^k
-            h[j] = torch.zeros_like(h[j]) if k is None else h[k]
+        for j, k in s.ablate.items(): # analysis: ablated h^j = its mean over the batch (per position), or rescued h^j = h^k
+            h[j] = h[j].mean(0, keepdim=True).expand_as(h[j]) if k is None else h[k]
         if s.weights is not None:
             s.weights.append(torch.stack(weights).detach()) # (2, R, B, T)
         alpha = torch.sigmoid(self.alpha_logit[l])
@@ -552,7 +552,9 @@ class GPT(nn.Module):
         """Logits for the last position (all positions when targets are given), the loss, and
         with return_depth a dict of the depth read weights and stream histories. For the
         ablate-and-rescue analysis (dar, mhc): ablate_stream=j or (j, ...) replaces those streams'
-        reads by zeros at every sublayer; with donor=k, by stream k's read instead (rescue)."""
+        reads at every sublayer by their mean over the batch at each position (a mean ablation: a
+        zero read would only rescale the pre-normed branch input); with donor=k, by stream k's read
+        instead (rescue)."""
         if ablate_stream is not None and self.config.residual not in ('dar', 'mhc'):
             raise ValueError(f"ablate_stream needs a multi-stream path (dar or mhc), not residual={self.config.residual}")
         if isinstance(ablate_stream, int):

@@ -563,8 +563,19 @@ def test_dar_rescue_reads_the_donor_stream(name):
     with pytest.raises(ValueError, match='donor=0 must be a stream that is not ablated'):
         model(idx, idx, ablate_stream=0, donor=0)
 
-def test_mhc_rescue_moves_the_read_weight_to_the_donor():
-    """With the pre weights of stream j moved to k, a model whose streams are equal reads as if clean."""
+@pytest.mark.parametrize('name', ['dar-cross-block', 'mhc'])
+def test_ablation_replaces_a_read_by_its_batch_mean(name):
+    """A mean ablation: for a batch of one repeated sequence the batch mean is the read itself."""
+    model = make(name)
+    same = torch.randint(0, 50, (1, 16)).repeat(3, 1)
+    mixed = torch.randint(0, 50, (3, 16))
+    with torch.no_grad():
+        for j in (0, 1):
+            assert torch.allclose(model(same, same, ablate_stream=j)[0], full_logits(model, same), atol=1e-5)
+            assert not torch.allclose(model(mixed, mixed, ablate_stream=j)[0], full_logits(model, mixed), atol=1e-4)
+
+def test_mhc_rescue_reads_the_donor_stream():
+    """Stream j read as stream k: a model whose streams are equal reads as if clean."""
     model = make('mhc')
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
