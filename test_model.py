@@ -675,9 +675,11 @@ def test_unknown_key_fails_with_one_line(workdir):
 
 @pytest.mark.parametrize('residual', ['standard', 'mhc'])
 def test_every_path_runs_with_only_its_residual_flag(workdir, residual):
-    """The default depth_block=2 is Block DAR's; it does not block a path without depth blocks,
-    but asking for it there is still an error."""
+    """The default depth_block=2 is Block DAR's, and a preset file's is the depth paths'; neither
+    blocks a path without depth blocks, but asking for it on the command line is still an error."""
     run(SMALL + [f'--residual={residual}', f'--out_dir=only-{residual}', '--max_iters=1'], workdir)
+    (workdir / 'preset.py').write_text('depth_block = 4\n')
+    run(SMALL + ['preset.py', f'--residual={residual}', f'--out_dir=only-{residual}-preset', '--max_iters=1'], workdir)
     p = run(SMALL + [f'--residual={residual}', '--depth_block=2', f'--out_dir=only-{residual}-K'], workdir, check=False)
     assert p.returncode == 1 and last_line(p.stderr) == f'error: depth_block=2 needs residual=attnres or dar'
 
@@ -1078,8 +1080,9 @@ def test_large_corpus_shards_and_training_on_them(tmp_path):
 
 def test_fsdp2_two_processes_equal_one(workdir):
     args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=100']
-    one = run(args + ['--out_dir=fsdp1'], workdir)
+    # one thread in every process, the reference too: only FSDP's reduction order may differ
     env = dict(os.environ, OMP_NUM_THREADS='1')
+    one = run(args + ['--out_dir=fsdp1'], workdir, env=env)
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
            os.path.join(ROOT, 'train.py')] + args + ['--out_dir=fsdp2', '--fsdp=True', '--activation_checkpointing=True']
     two = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
