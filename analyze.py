@@ -140,7 +140,7 @@ def summarize(runs):
         for key in ('rescue', 'rescue_damage', 'gain', 'recovered'):
             summary[key] = mean_std([[[np.nan if x is None else x for x in row] for row in r['rescue'][key]] for r in runs])
     if 'depth_weights' in runs[0]:
-        summary["depth_weights"] = np.array([r["depth_weights"] for r in runs], dtype=float).mean(0).tolist()
+        summary['depth_weights'] = np.array([r['depth_weights'] for r in runs], dtype=float).mean(0).tolist()
     return summary
 
 def plot(groups, folder):

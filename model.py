@@ -178,9 +178,10 @@ class MoE(nn.Module):
             offs = counts.cumsum(0).to(torch.int32) # end row of each expert's group
             h = F.grouped_mm(xs.bfloat16(), self.c_fc.bfloat16(), offs=offs) + b_fc
             return F.grouped_mm(F.gelu(h).bfloat16(), self.c_proj.bfloat16(), offs=offs) + b_proj
-        h = torch.cat([xe @ self.c_fc[i] for i, xe in enumerate(xs.split(counts.tolist()))]) + b_fc
+        sizes = counts.tolist()
+        h = torch.cat([xe @ self.c_fc[i] for i, xe in enumerate(xs.split(sizes))]) + b_fc
         h = F.gelu(h)
-        return torch.cat([he @ self.c_proj[i] for i, he in enumerate(h.split(counts.tolist()))]) + b_proj
+        return torch.cat([he @ self.c_proj[i] for i, he in enumerate(h.split(sizes))]) + b_proj
 
 class Block(nn.Module):
     """One layer: two sublayers with their pre-norms. How they connect is the residual path's job."""

@@ -838,7 +838,6 @@ def test_moe_active_parameter_count():
 # analyze.py
 
 import analyze
-import sweep as sweep_module
 
 def test_cka_properties():
     g = torch.Generator().manual_seed(0)
@@ -888,7 +887,9 @@ def test_analyze_runs_on_a_tiny_checkpoint(workdir, residual):
             assert 'depth read weights, stream 0' in p.stdout
 
 # -----------------------------------------------------------------------------
-# bad input: one clear line and a non-zero exit; no lost work
+# sweep.py
+
+import sweep as sweep_module
 
 def test_sweep_resumes_and_records_curves(workdir):
     """A finished run is read back, not repeated; a stopped one continues from its checkpoint to the
@@ -917,6 +918,9 @@ def test_welch_p_values():
     assert sweep_module.welch([1, 2, 3], [4, 5, 6]) == pytest.approx(0.021311641, abs=1e-6)
     assert sweep_module.welch([1, 2, 3, 4], [1.5, 2.5, 3.5, 9]) == pytest.approx(0.418219265, abs=1e-6)
     assert sweep_module.welch([1, 2, 3], [1, 2, 3]) == pytest.approx(1.0)
+
+# -----------------------------------------------------------------------------
+# bad input: one clear line and a non-zero exit; no lost work
 
 def last_line(stderr):
     return stderr.replace('\r', '\n').strip().splitlines()[-1]
