@@ -8,7 +8,7 @@ $ python bench.py config/bench_gpu.py        # GPU-sized, bf16, compiled
 
 Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
 training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
-(compiled rows: the prefill and the one-token step each compiled once), peak memory, parameters, the warm-up time
+(compiled rows: the prefill and the one-token step each compiled once, as sample.py compiles them), peak memory, parameters, the warm-up time
 (which holds the compilation), and MFU on CUDA. After the warm-up all rows run interleaved
 (A B C A B C ...), so drift hits all alike; each ratio to standard in the same mode is taken
 round by round and its median reported. Compiling every path takes a few minutes on 2 CPU cores.
@@ -24,7 +24,7 @@ import subprocess
 import torch
 import torch._dynamo
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, compile_for_generation
 from train import autocast, check, configure, count, resolve_device
 from prepare_data import fail
 
@@ -79,8 +79,10 @@ class Runner:
         self.params = self.model.get_num_params()
         self.active = self.model.get_num_params(active=True)
         self.optimizer = self.model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device.split(':')[0])
-        # static shapes: the training step, the prefill and the decode step are compiled once each
+        # static shapes: the training step and the prefill are compiled once each; the decode step
+        # once, compiled as sample.py compiles it
         self.fwd = torch.compile(self.model, dynamic=False) if compiled else self.model
+        self.gen = compile_for_generation(self.model) if compiled else self.model
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.randint(cfg['vocab_size'], (2, cfg['batch_size'], cfg['block_size']), generator=g).to(device)
         self.prompt = self.x[:1, :cfg['block_size'] // 2]
@@ -106,11 +108,11 @@ class Runner:
         static KV cache."""
         with self.ctx:
             cache = self.model.kv_cache(1, self.prompt.device)
-            logits, _ = self.fwd(self.prompt, cache=cache)
+            logits, _ = self.gen(self.prompt, cache=cache)
             sync(self.device)
             t0 = time.perf_counter()
             for _ in range(self.decode_tokens):
-                logits, _ = self.fwd(logits[:, -1:].argmax(-1), cache=cache)
+                logits, _ = self.gen(logits[:, -1:].argmax(-1), cache=cache)
             sync(self.device)
         return (time.perf_counter() - t0) / self.decode_tokens
 

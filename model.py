@@ -207,6 +207,9 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.pos = torch.zeros((), dtype=torch.long, device=device) # number of tokens already cached
         self.mask = None # (T, block_size): which cached positions each new token sees; set by GPT.forward
+        # fixed addresses, so that CUDA graphs may write them in place (no guard: a new cache is no recompile)
+        for t in self.k + self.v + [self.pos]:
+            torch._dynamo.mark_static_address(t, guard=False)
 
     def update(self, layer, k, v):
         # write the T new positions pos..pos+T-1, return every position (the mask hides the unwritten)
@@ -666,8 +669,9 @@ class GPT(nn.Module):
         compiles the prefill, the one-token step and the full window once each."""
         forward = self if forward is None else forward
         cache = self.kv_cache(idx.size(0), idx.device)
-        # contiguous: a compiled forward guards on strides, and a view's strides grow with idx
-        logits, _ = forward(idx[:, -self.config.block_size:].contiguous(), cache=cache) # prefill
+        # a copy in contiguous strides: a compiled forward guards on strides, a view's grow with idx,
+        # and .contiguous() keeps the view when the batch is 1 (a size-1 dim's stride is ignored)
+        logits, _ = forward(idx[:, -self.config.block_size:].clone(memory_format=torch.contiguous_format), cache=cache) # prefill
         for i in range(max_new_tokens):
             # pluck the logits at the final step and scale by desired temperature
             logits = logits[:, -1, :] / temperature
@@ -682,10 +686,23 @@ class GPT(nn.Module):
                 break
             if idx.size(1) > self.config.block_size: # the window slides: run it again from position 0
                 cache.pos.zero_()
-                logits, _ = forward(idx[:, -self.config.block_size:].contiguous(), cache=cache)
+                logits, _ = forward(idx[:, -self.config.block_size:].clone(memory_format=torch.contiguous_format), cache=cache)
             else:
                 logits, _ = forward(idx_next, cache=cache)
         return idx
+
+def compile_for_generation(model):
+    """torch.compile of the model's forward for generate(forward=...): static shapes, so the prefill,
+    the one-token step and the full window compile once each. A one-token step is a long chain of
+    tiny kernels, so its cost is the calls between them, not the math: on CUDA, CUDA graphs replay
+    the whole step (mode='reduce-overhead'); on CPU, inductor's C++ wrapper calls the kernels in
+    place of its Python one (cpp_wrapper); elsewhere (mps) the plain compile."""
+    device = model.lm_head.weight.device.type
+    if device == 'cuda':
+        return torch.compile(model, dynamic=False, mode='reduce-overhead')
+    if device == 'cpu':
+        return torch.compile(model, dynamic=False, options={'cpp_wrapper': True})
+    return torch.compile(model, dynamic=False)
 
 # bf16 dense peak flops per GPU, for MFU (vendor datasheets)
 PEAK_FLOPS = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12}

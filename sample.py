@@ -10,7 +10,7 @@ import pickle
 
 import torch
 
-from model import GPT
+from model import GPT, compile_for_generation
 from prepare_data import fail, gpt2_encoding
 from train import autocast, check, configure, count, load_checkpoint, resolve_device
 
@@ -24,7 +24,7 @@ top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 p
 seed = 1337
 device = 'auto' # 'auto', 'cpu', 'cuda', 'cuda:0', 'mps'
 dtype = 'auto' # 'auto' (bfloat16 on CUDA where supported, else float16; float32 elsewhere), or explicit
-compile = False # compile the prefill and the one-token decode step (static KV cache: each compiled once)
+compile = False # compile the prefill and the one-token decode step (static KV cache: each compiled once; CUDA graphs on CUDA)
 gpt2_dir = '' # folder with GPT-2 vocab.bpe + encoder.json, for BPE datasets offline (or env DAR_GPT2_DIR)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
@@ -63,7 +63,7 @@ def main(argv):
     model.to(device)
     # compiling the module and calling its generate() would run the uncompiled forward, so the
     # compiled forward is handed to generate; static shapes, so nothing recompiles while decoding
-    forward = torch.compile(model, dynamic=False) if cfg['compile'] else model
+    forward = compile_for_generation(model) if cfg['compile'] else model
     encode, decode = codec(checkpoint, cfg['gpt2_dir'])
 
     # encode the beginning of the prompt

@@ -554,6 +554,13 @@ def main(argv):
         print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
     if ddp:
         dist.destroy_process_group()
+        # Leave without Python's shutdown. A gloo worker thread may still be releasing a finished
+        # collective, whose tensors need the GIL to be freed; CPython ends a thread that takes the
+        # GIL during finalization, and ending it inside a C++ destructor calls std::terminate. So
+        # a rank whose run was saved could die with SIGABRT. Nothing is left unwritten: flush, exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 if __name__ == '__main__':
     main(sys.argv[1:])
