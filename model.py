@@ -669,9 +669,10 @@ class GPT(nn.Module):
         compiles the prefill, the one-token step and the full window once each."""
         forward = self if forward is None else forward
         cache = self.kv_cache(idx.size(0), idx.device)
-        # a copy in contiguous strides: a compiled forward guards on strides, a view's grow with idx,
-        # and .contiguous() keeps the view when the batch is 1 (a size-1 dim's stride is ignored)
-        logits, _ = forward(idx[:, -self.config.block_size:].clone(memory_format=torch.contiguous_format), cache=cache) # prefill
+        # the last block_size tokens, copied in contiguous strides: a compiled forward guards on strides,
+        # a view's grow with idx, and .contiguous() keeps the view at batch 1 (a size-1 dim's stride is ignored)
+        crop = lambda idx: idx[:, -self.config.block_size:].clone(memory_format=torch.contiguous_format)
+        logits, _ = forward(crop(idx), cache=cache) # prefill
         for i in range(max_new_tokens):
             # pluck the logits at the final step and scale by desired temperature
             logits = logits[:, -1, :] / temperature
@@ -686,7 +687,7 @@ class GPT(nn.Module):
                 break
             if idx.size(1) > self.config.block_size: # the window slides: run it again from position 0
                 cache.pos.zero_()
-                logits, _ = forward(idx[:, -self.config.block_size:].clone(memory_format=torch.contiguous_format), cache=cache)
+                logits, _ = forward(crop(idx), cache=cache)
             else:
                 logits, _ = forward(idx_next, cache=cache)
         return idx
