@@ -55,9 +55,53 @@ def val_batches(cfg, config, block_size):
     ix = torch.randint(sum(w for _, w in shards), (cfg['batches'], cfg['batch_size']), generator=g)
     return [get_batch(shards, i, block_size, 'cpu') for i in ix]
 
+class Probe:
+    """analyze.py's view into a forward, through GPT.forward(probe=): called at every read of
+    GPT.read with (l, s, h, a), the sublayer (L = the final read), the state, the streams' reads
+    and their weights. Records the weights of every read and the streams' histories; with ablate
+    = {stream j: None} replaces j's read by its mean over the batch at each position (a mean
+    ablation: a zero read would only rescale the pre-normed branch input), with {j: k} by stream
+    k's read (rescue). mHC's reads are its streams X_i, weighted by pre; its final readout reads
+    no one stream, so it is neither recorded nor replaced."""
+
+    def __init__(self, model, ablate=None):
+        cfg = model.config
+        self.ablate = ablate or {}
+        if self.ablate and cfg.residual not in ('dar', 'mhc'):
+            raise ValueError(f"ablation needs a multi-stream path (dar or mhc), not residual={cfg.residual}")
+        for j, k in self.ablate.items():
+            if k is not None and k in self.ablate:
+                raise ValueError(f"donor={k} must be a stream that is not ablated (ablated: {sorted(self.ablate)})")
+        self.mhc, self.L = cfg.residual == 'mhc', 2 * cfg.n_layer
+        self.weights = [] # per read: (R, B, T) over the candidates, (streams, R, B, T) for DAR, (n, B, T) for mHC
+        self.states = [] # mHC: the streams X at every read
+        self.H = None # AttnRes, DAR: the committed histories, per stream
+
+    def __call__(self, l, s, h, a):
+        if self.mhc:
+            self.states.append(s.X.detach())
+            if l == self.L:
+                return h
+            a = a.permute(2, 0, 1) # pre (B, T, n) -> (n, B, T)
+        elif l == self.L and a is not None:
+            self.H = s.H
+        if a is not None:
+            self.weights.append(a.detach())
+        h = list(h)
+        for j, k in self.ablate.items():
+            h[j] = h[j].mean(0, keepdim=True).expand_as(h[j]) if k is None else h[k]
+        return h
+
+    def histories(self):
+        """Per stream, its history entries (B, T, C): H^j for DAR and AttnRes; every X_i for mHC."""
+        if self.mhc:
+            return [[X[:, :, i] for X in self.states] for i in range(self.states[0].size(2))]
+        return self.H
+
 @torch.no_grad()
-def val_loss(model, batches, ablate=None, donor=None):
-    return float(np.mean([model(X, Y, ablate_stream=ablate, donor=donor)[1].item() for X, Y in batches]))
+def val_loss(model, batches, ablate=None):
+    probe = Probe(model, ablate) if ablate else None
+    return float(np.mean([model(X, Y, probe=probe)[1].item() for X, Y in batches]))
 
 @torch.no_grad()
 def depth_weights(model, batches):
@@ -65,8 +109,9 @@ def depth_weights(model, batches):
     None where a sublayer has fewer candidates."""
     sums = None
     for X, _ in batches:
-        _, _, depth = model(X, return_depth=True)
-        w = [a.mean(dim=(-2, -1)) for a in depth['weights']] # each (R,) or (streams, R)
+        probe = Probe(model)
+        model(X, probe=probe)
+        w = [a.mean(dim=(-2, -1)) for a in probe.weights] # each (R,) or (streams, R)
         sums = w if sums is None else [s + x for s, x in zip(sums, w)]
     means = [(s / len(batches)).reshape(-1, s.size(-1)) for s in sums] # (streams, R)
     R = max(m.size(-1) for m in means)
@@ -81,8 +126,9 @@ def stream_cka(model, batches):
     every (r, q); the mean over paired (r = q) and over unpaired (r != q) depths."""
     H = None
     for X, _ in batches:
-        _, _, depth = model(X, return_depth=True)
-        h = [[e.reshape(-1, e.size(-1)) for e in stream] for stream in depth['H'][:2]]
+        probe = Probe(model)
+        model(X, probe=probe)
+        h = [[e.reshape(-1, e.size(-1)) for e in stream] for stream in probe.histories()[:2]]
         H = h if H is None else [[torch.cat([a, b]) for a, b in zip(sa, sb)] for sa, sb in zip(H, h)]
     n = len(H[0])
     matrix = [[cka(H[0][r], H[1][q]) for q in range(n)] for r in range(n)]
@@ -100,11 +146,11 @@ def rescue(model, batches):
         raise ValueError(f"the rescue analysis needs two streams (residual=dar or mhc), this checkpoint has residual={model.config.residual}")
     n = 2 if model.config.residual == 'dar' else model.config.mhc_streams
     L0 = val_loss(model, batches)
-    abl = [val_loss(model, batches, ablate=j) for j in range(n)]
-    resc = [[None if k == j else val_loss(model, batches, ablate=j, donor=k) for k in range(n)] for j in range(n)]
+    abl = [val_loss(model, batches, ablate={j: None}) for j in range(n)]
+    resc = [[None if k == j else val_loss(model, batches, ablate={j: k}) for k in range(n)] for j in range(n)]
     damage = [a - L0 for a in abl]
     gain = [[None if r is None else abl[j] - r for r in row] for j, row in enumerate(resc)]
-    return dict(clean=L0, ablate=abl, rescue=resc, ablate_all=val_loss(model, batches, ablate=tuple(range(n))),
+    return dict(clean=L0, ablate=abl, rescue=resc, ablate_all=val_loss(model, batches, ablate=dict.fromkeys(range(n))),
                 damage=damage, rescue_damage=[[None if r is None else r - L0 for r in row] for row in resc], gain=gain,
                 recovered=[[None if g is None else g / damage[j] for g in row] for j, row in enumerate(gain)],
                 balance=min(damage) / max(damage))

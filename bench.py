@@ -24,7 +24,8 @@ import subprocess
 import torch
 import torch._dynamo
 
-from model import GPT, GPTConfig, compile_for_generation
+from model import GPT, GPTConfig, KVCache
+from sample import compile_for_generation
 from train import autocast, check, configure, count, resolve_device
 from prepare_data import fail
 
@@ -107,7 +108,7 @@ class Runner:
         """Seconds per decoded token after a prefill (the prefill is not timed), greedy, with the
         static KV cache."""
         with self.ctx:
-            cache = self.model.kv_cache(1, self.prompt.device)
+            cache = KVCache(self.model, 1, self.prompt.device)
             logits, _ = self.gen(self.prompt, cache=cache)
             sync(self.device)
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import pickle
 
 import torch
 
-from model import GPT, compile_for_generation
+from model import GPT
 from prepare_data import fail, gpt2_encoding
 from train import autocast, check, configure, count, load_checkpoint, resolve_device
 
@@ -28,6 +28,18 @@ compile = False # compile the prefill and the one-token decode step (static KV c
 gpt2_dir = '' # folder with GPT-2 vocab.bpe + encoder.json, for BPE datasets offline (or env DAR_GPT2_DIR)
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+
+def compile_for_generation(model):
+    """torch.compile of the model for generate(forward=...), static shapes. A one-token step is a
+    long chain of tiny kernels whose cost is the calls between them: on CUDA, CUDA graphs replay
+    the whole step (mode='reduce-overhead'); on CPU, inductor's C++ wrapper calls the kernels in
+    place of its Python one (cpp_wrapper); elsewhere (mps) the plain compile."""
+    device = model.lm_head.weight.device.type
+    if device == 'cuda':
+        return torch.compile(model, dynamic=False, mode='reduce-overhead')
+    if device == 'cpu':
+        return torch.compile(model, dynamic=False, options={'cpp_wrapper': True})
+    return torch.compile(model, dynamic=False)
 
 def codec(checkpoint, gpt2_dir):
     """encode / decode for the checkpoint's dataset: its meta.pkl when it has one, else GPT-2 BPE."""

@@ -1,5 +1,9 @@
 """
-Tests of dar-gpt, all on CPU: python -m pytest -q test_model.py
+Tests of dar-gpt, all on CPU. The fast ones (every equation, causality, the KV cache, the error
+messages), then the slow ones (compiles, torchrun, training subprocesses, sweeps):
+
+$ python -m pytest -q -m "not slow" test_model.py
+$ python -m pytest -q -m slow test_model.py
 
 The residual paths are checked against naive references written here with explicit Python
 loops over sublayers and candidates and softmax by explicit exp / sum.
@@ -13,6 +17,9 @@ import copy
 import pickle
 import subprocess
 import contextlib
+import glob
+import queue
+import threading
 import time
 
 import numpy as np
@@ -20,8 +27,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, sinkhorn, compile_for_generation
+import model as model_module
+from model import GPT, GPTConfig, KVCache, sinkhorn
+from sample import compile_for_generation
 import train
+import sample
+import analyze
 from model import MoE, MLP
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -301,7 +312,7 @@ def test_kv_cache_equals_uncached_forward(name):
     idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         # logits: prefill 5 tokens, then one at a time, then a chunk of 3
-        cache = model.kv_cache(2, idx.device)
+        cache = KVCache(model, 2, idx.device)
         pieces = [model(idx[:, :5], cache=cache, targets=idx[:, :5])[0]]
         for t in range(5, 9):
             pieces.append(model(idx[:, t:t + 1], cache=cache)[0])
@@ -316,6 +327,7 @@ def test_kv_cache_equals_uncached_forward(name):
         got = model.generate(prompt, 12, top_k=1)
     assert torch.equal(got, want)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['standard', 'attnres-block', 'mhc', 'dar-cross-full', 'dar-cross-block'])
 def test_compiled_generation_traces_prefill_step_and_window_once(name):
     """generate with a compiled forward: a graph for the prefill, one for the one-token step and
@@ -342,6 +354,7 @@ def test_compiled_generation_traces_prefill_step_and_window_once(name):
         torch.manual_seed(1)
         assert torch.equal(got, model.generate(prompt, 24))
 
+@pytest.mark.slow
 def test_compiled_decode_equals_eager_with_inductor():
     """sample.py's compile (inductor, with its C++ wrapper on CPU): 12 decoded tokens equal eager
     generation's, with two graphs compiled (the prefill and the one-token step), and none more for
@@ -374,6 +387,7 @@ def test_loss_at_init_is_about_ln_vocab(name):
     _, loss = model(idx, targets)
     assert abs(loss.item() - math.log(50)) < 0.1
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['standard', 'attnres-block', 'mhc', 'dar-cross-block', 'dar-cross-block+moe'])
 def test_compiled_forward_equals_eager(name):
     try:
@@ -389,6 +403,7 @@ def test_compiled_forward_equals_eager(name):
 ONE_GRAPH = [(n, p, d) for n in PATHS for d in (('bfloat16',) if '+moe' in n else ('float32', 'bfloat16'))
              for p in ((True, False) if PATHS[n].get('residual') in ('attnres', 'dar') and '+moe' not in n else (True,))]
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, include_partial, dtype', ONE_GRAPH)
 def test_training_step_is_one_graph_without_recompiles(name, include_partial, dtype):
     """fullgraph=True fails on any graph break; error_on_recompile on any recompilation. The
@@ -410,6 +425,7 @@ def test_training_step_is_one_graph_without_recompiles(name, include_partial, dt
             optimizer.zero_grad(set_to_none=True)
     assert torch.isfinite(loss)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['dar-cross-block', 'attnres-full'])
 def test_compiled_training_step_equals_eager(name):
     """Inductor's code for forward and backward gives the eager loss and gradients."""
@@ -425,6 +441,23 @@ def test_compiled_training_step_equals_eager(name):
     torch.testing.assert_close(compiled_loss, loss, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-4, msg=n)
+
+def test_residual_parameter_names_and_shapes_are_the_checkpoints():
+    """Checkpoints name the residual paths' parameters: these names and shapes must not change.
+    tiny(): L = 6 sublayers, C = 32; rows L + 1 include the final read."""
+    want = {
+        'standard': {},
+        'attnres-block': dict(query=(7, 32), key_norm=(7, 32)),
+        'mhc': dict(proj=(6, 64, 8), scale=(6, 3), b_pre=(6, 2), b_post=(6, 2), B_res=(6, 2, 2),
+                    out_proj=(64, 2), out_scale=(1,), out_bias=(2,)),
+        'dar-cross-full': dict(query=(7, 2, 32), key_norm=(7, 32), alpha_logit=(7,), beta_logit=(6, 2, 32)),
+        'dar-cross-block': dict(query=(7, 2, 32), key_norm=(7, 32), alpha_logit=(7,), beta_logit=(6, 2, 32), rho_logit=(6,)),
+        'dar-sepv-block': dict(query=(7, 2, 32), key_norm=(7, 32), alpha_logit=(7,), beta_logit=(6, 2, 32), rho_logit=(6,),
+                               value_proj=(7, 2, 32, 32)),
+    }
+    for name, params in want.items():
+        got = {n: tuple(p.shape) for n, p in GPT(tiny(**PATHS[name])).transformer.res.named_parameters()}
+        assert got == params, name
 
 def test_old_two_phase_checkpoints_load():
     """two_phase was a speed option with the same result; checkpoints that record it still load."""
@@ -450,9 +483,10 @@ def test_attnres_at_init_reads_a_uniform_mean():
     torch.manual_seed(0)
     for kw in (dict(), dict(depth_block=4)):
         model = GPT(tiny(residual='attnres', **kw))
-        _, _, depth = model(torch.randint(0, 50, (2, 16)), return_depth=True)
-        assert len(depth['weights']) == 2 * model.config.n_layer + 1
-        for a in depth['weights']:
+        probe = analyze.Probe(model)
+        model(torch.randint(0, 50, (2, 16)), probe=probe)
+        assert len(probe.weights) == 2 * model.config.n_layer + 1
+        for a in probe.weights:
             torch.testing.assert_close(a, torch.full_like(a, 1 / a.size(0)))
 
 @pytest.mark.parametrize('K', [1, 6])
@@ -479,25 +513,28 @@ def one_step(model, seed=0):
     opt.step()
     return model
 
-def mhc_matrices(model, idx):
-    res, M = model.transformer.res, []
+def mhc_matrices(model, idx, monkeypatch):
+    """The mixing matrices M of every sublayer of a forward, as mHC's write uses them."""
+    M = []
+    def recorded(logits, iters=20):
+        M.append(sinkhorn(logits, iters))
+        return M[-1]
+    monkeypatch.setattr(model_module, 'sinkhorn', recorded)
     with torch.no_grad():
-        s = res.begin(embed(model, idx))
-        for l in range(2 * model.config.n_layer):
-            x = res.read(s, l)
-            M.append(s.M)
-            res.write(s, l, sublayer(model, l, x))
+        model(idx)
+    monkeypatch.undo()
+    assert len(M) == 2 * model.config.n_layer
     return torch.stack(M)
 
 @pytest.mark.parametrize('n, tol', [(2, 1e-5), (3, 1e-3)])
-def test_mhc_matrices_are_doubly_stochastic(n, tol):
+def test_mhc_matrices_are_doubly_stochastic(n, tol, monkeypatch):
     """n = 2 (closed-form limit) to 1e-5; n = 3 runs the 20 iterations of the paper, which at
     the near-identity init stop about 1e-4 short of doubly stochastic (see sinkhorn)."""
     torch.manual_seed(0)
     model = GPT(tiny(residual='mhc', mhc_streams=n))
     idx = torch.randint(0, 50, (4, 16))
     for step in range(2):
-        M = mhc_matrices(model, idx)
+        M = mhc_matrices(model, idx, monkeypatch)
         torch.testing.assert_close(M.sum(-1), torch.ones_like(M[..., 0]), atol=tol, rtol=0)
         torch.testing.assert_close(M.sum(-2), torch.ones_like(M[..., 0]), atol=1e-6, rtol=0)
         assert (M >= 0).all()
@@ -515,15 +552,15 @@ def test_dar_streams_differ_after_a_step_and_routing_matters():
     self_kv = GPT(tiny(residual='dar', depth_block=2, dar_routing='self'))
     self_kv.load_state_dict(model.state_dict())
     idx = torch.randint(0, 50, (2, 16))
+    cross, own = analyze.Probe(model), analyze.Probe(self_kv)
     with torch.no_grad():
-        _, _, cross = model(idx, return_depth=True)
-        _, _, own = self_kv(idx, return_depth=True)
-    for h0, h1 in zip(*cross['H'][:2]):
-        if h0 is not cross['H'][0][0]: # the embedding entry is shared
+        model(idx, probe=cross)
+        self_kv(idx, probe=own)
+    for h0, h1 in zip(*cross.histories()):
+        if h0 is not cross.histories()[0][0]: # the embedding entry is shared
             assert not torch.allclose(h0, h1)
     # the first read has one candidate; every later one must differ between the routings
-    assert any(not torch.allclose(a, b) for a, b in zip(cross['weights'], own['weights']))
-    assert all(not torch.allclose(a, b) for a, b in zip(cross['weights'][2:], own['weights'][2:]))
+    assert all(not torch.allclose(a, b) for a, b in zip(cross.weights[2:], own.weights[2:]))
 
 def test_dar_without_symmetry_breaking_keeps_the_streams_identical():
     """Why beta^1 gets a random init: with equal gates the two streams never separate."""
@@ -532,8 +569,9 @@ def test_dar_without_symmetry_breaking_keeps_the_streams_identical():
     with torch.no_grad():
         model.transformer.res.beta_logit.zero_()
     one_step(model)
-    _, _, depth = model(torch.randint(0, 50, (2, 16)), return_depth=True)
-    for h0, h1 in zip(*depth['H']):
+    probe = analyze.Probe(model)
+    model(torch.randint(0, 50, (2, 16)), probe=probe)
+    for h0, h1 in zip(*probe.histories()):
         torch.testing.assert_close(h0, h1)
 
 def test_dar_fixed_routing_uses_stream0_keys_and_stream1_values_for_both_targets():
@@ -550,15 +588,19 @@ def test_dar_fixed_routing_uses_stream0_keys_and_stream1_values_for_both_targets
             only1 = full_logits(model, idx)
         assert torch.allclose(only0, only1, atol=1e-6) == same
 
+def ablated(model, j, donor=None):
+    """analyze.py's probe that replaces stream j's read by its batch mean, or by the donor's read."""
+    return analyze.Probe(model, {j: donor})
+
 def test_dar_ablating_a_stream_changes_the_loss():
     model = make('dar-cross-block')
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
         clean = model(idx, idx)[1]
-        assert model(idx, idx, ablate_stream=0)[1] != clean
-        assert model(idx, idx, ablate_stream=1)[1] != clean
+        assert model(idx, idx, probe=ablated(model, 0))[1] != clean
+        assert model(idx, idx, probe=ablated(model, 1))[1] != clean
     with pytest.raises(ValueError, match='multi-stream'):
-        make('standard')(idx, idx, ablate_stream=0)
+        ablated(make('standard'), 0)
 
 @pytest.mark.parametrize('name', ['dar-cross-block', 'dar-self-full', 'dar-sepv-block'])
 def test_dar_rescue_reads_the_donor_stream(name):
@@ -567,12 +609,12 @@ def test_dar_rescue_reads_the_donor_stream(name):
     model = make(name)
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
-        rescued = [model(idx, idx, ablate_stream=j, donor=1 - j)[0] for j in (0, 1)]
+        rescued = [model(idx, idx, probe=ablated(model, j, donor=1 - j))[0] for j in (0, 1)]
         for j, sign in ((0, -1.0), (1, 1.0)): # donor 1: alpha -> 0; donor 0: alpha -> 1
             model.transformer.res.alpha_logit.fill_(sign * 30.0)
             assert torch.allclose(rescued[j], full_logits(model, idx), atol=1e-5)
     with pytest.raises(ValueError, match='donor=0 must be a stream that is not ablated'):
-        model(idx, idx, ablate_stream=0, donor=0)
+        ablated(model, 0, donor=0)
 
 @pytest.mark.parametrize('name', ['dar-cross-block', 'mhc'])
 def test_ablation_replaces_a_read_by_its_batch_mean(name):
@@ -582,8 +624,8 @@ def test_ablation_replaces_a_read_by_its_batch_mean(name):
     mixed = torch.randint(0, 50, (3, 16))
     with torch.no_grad():
         for j in (0, 1):
-            assert torch.allclose(model(same, same, ablate_stream=j)[0], full_logits(model, same), atol=1e-5)
-            assert not torch.allclose(model(mixed, mixed, ablate_stream=j)[0], full_logits(model, mixed), atol=1e-4)
+            assert torch.allclose(model(same, same, probe=ablated(model, j))[0], full_logits(model, same), atol=1e-5)
+            assert not torch.allclose(model(mixed, mixed, probe=ablated(model, j))[0], full_logits(model, mixed), atol=1e-4)
 
 def test_mhc_rescue_reads_the_donor_stream():
     """Stream j read as stream k: a model whose streams are equal reads as if clean."""
@@ -591,16 +633,16 @@ def test_mhc_rescue_reads_the_donor_stream():
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
         clean, _ = model(idx, idx)
-        ablated, _ = model(idx, idx, ablate_stream=0)
-        rescued, _ = model(idx, idx, ablate_stream=0, donor=1)
-        assert not torch.allclose(rescued, clean) and not torch.allclose(rescued, ablated)
+        mean, _ = model(idx, idx, probe=ablated(model, 0))
+        rescued, _ = model(idx, idx, probe=ablated(model, 0, donor=1))
+        assert not torch.allclose(rescued, clean) and not torch.allclose(rescued, mean)
         res = model.transformer.res # streams stay equal: M mixes equal rows, post writes the same to both
         res.proj[:, :, 2:].zero_()
         res.b_post.zero_()
         res.B_res.zero_()
         clean, _ = model(idx, idx)
-        assert torch.allclose(model(idx, idx, ablate_stream=0, donor=1)[0], clean, atol=1e-5)
-        assert torch.allclose(model(idx, idx, ablate_stream=1, donor=0)[0], clean, atol=1e-5)
+        assert torch.allclose(model(idx, idx, probe=ablated(model, 0, donor=1))[0], clean, atol=1e-5)
+        assert torch.allclose(model(idx, idx, probe=ablated(model, 1, donor=0))[0], clean, atol=1e-5)
 
 # -----------------------------------------------------------------------------
 # train.py, sample.py, prepare_data.py
@@ -638,6 +680,7 @@ SMALL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch
 def losses(stdout):
     return [line.split(',')[0] for line in stdout.splitlines() if line.startswith('iter ')]
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_run(workdir):
     args = SMALL + ['--dropout=0.1', '--eval_interval=100']
     full = run(args + ['--out_dir=full', '--max_iters=12'], workdir)
@@ -650,6 +693,7 @@ def test_resume_equals_uninterrupted_run(workdir):
     for k in a['model']:
         assert torch.equal(a['model'][k], b['model'][k]), k
 
+@pytest.mark.slow
 def test_resume_with_another_path_fails_clearly(workdir):
     run(SMALL + ['--out_dir=path', '--max_iters=2'], workdir)
     p = run(SMALL + ['--out_dir=path', '--max_iters=4', '--init_from=resume', '--residual=attnres'], workdir, check=False)
@@ -659,6 +703,7 @@ def test_resume_with_another_path_fails_clearly(workdir):
 DDP_PATHS = {'dar-block': [], 'attnres-block': ['--residual=attnres'], 'mhc': ['--residual=mhc', '--depth_block=1'],
              'standard+moe': ['--residual=standard', '--depth_block=1', '--n_expert=4', '--expert_hidden=32']}
 
+@pytest.mark.slow
 @pytest.mark.parametrize('path', DDP_PATHS)
 def test_ddp_two_processes_equal_one(workdir, path):
     args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100', '--overwrite=True'] + DDP_PATHS[path]
@@ -677,6 +722,7 @@ def test_ddp_two_processes_equal_one(workdir, path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
 
+@pytest.mark.slow
 def test_unknown_key_fails_with_one_line(workdir):
     p = run(['--n_layers=2'], workdir, check=False)
     assert p.returncode != 0
@@ -684,6 +730,7 @@ def test_unknown_key_fails_with_one_line(workdir):
     p = run(['--n_layer=two'], workdir, check=False)
     assert p.returncode != 0 and p.stderr.strip().count('\n') == 0 and 'should be of type int' in p.stderr
 
+@pytest.mark.slow
 @pytest.mark.parametrize('residual', ['standard', 'mhc'])
 def test_every_path_runs_with_only_its_residual_flag(workdir, residual):
     """The default depth_block=2 is Block DAR's, and a preset file's is the depth paths'; neither
@@ -694,6 +741,7 @@ def test_every_path_runs_with_only_its_residual_flag(workdir, residual):
     p = run(SMALL + [f'--residual={residual}', '--depth_block=2', f'--out_dir=only-{residual}-K'], workdir, check=False)
     assert p.returncode == 1 and last_line(p.stderr) == f'error: depth_block=2 needs residual=attnres or dar'
 
+@pytest.mark.slow
 def test_train_and_sample_smoke(workdir):
     run(SMALL + ['--out_dir=smoke', '--max_iters=3'], workdir)
     assert (workdir / 'smoke' / 'ckpt.pt').exists()
@@ -771,6 +819,7 @@ def test_moe_grouped_mm_in_bf16_matches_naive_reference():
         got = moe(x)[0]
     torch.testing.assert_close(got.float(), naive_moe(moe, x), atol=2e-2, rtol=2e-2)
 
+@pytest.mark.slow
 def test_moe_compiled_bf16_equals_eager_bf16():
     moe, x = random_moe()
     x.requires_grad_(True)
@@ -783,6 +832,7 @@ def test_moe_compiled_bf16_equals_eager_bf16():
     (got_grad,) = torch.autograd.grad((got.float() * g).sum(), x)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-2, rtol=1e-2)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['standard+moe', 'dar-cross-block+moe'])
 def test_moe_is_one_graph_under_bf16(name):
     model = make(name)
@@ -848,8 +898,6 @@ def test_moe_active_parameter_count():
 # -----------------------------------------------------------------------------
 # analyze.py
 
-import analyze
-
 def test_cka_properties():
     g = torch.Generator().manual_seed(0)
     X = torch.randn(2000, 16, generator=g, dtype=torch.float64)
@@ -870,6 +918,7 @@ def test_rescue_ablation_only_for_two_stream_paths():
     with pytest.raises(ValueError, match='the rescue analysis needs two streams'):
         analyze.rescue(make('standard'), batches)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('residual', ['dar', 'standard'])
 def test_analyze_runs_on_a_tiny_checkpoint(workdir, residual):
     out = f'an-{residual}'
@@ -902,6 +951,7 @@ def test_analyze_runs_on_a_tiny_checkpoint(workdir, residual):
 
 import sweep as sweep_module
 
+@pytest.mark.slow
 def test_sweep_resumes_and_records_curves(workdir):
     """A finished run is read back, not repeated; a stopped one continues from its checkpoint to the
     same curve as an uninterrupted run; the table has Welch p-values once there are seeds."""
@@ -936,31 +986,45 @@ def test_welch_p_values():
 def last_line(stderr):
     return stderr.replace('\r', '\n').strip().splitlines()[-1]
 
-def test_bad_inputs_fail_with_one_line(workdir, tmp_path):
-    run(SMALL + ['--out_dir=bad', '--max_iters=2'], workdir)
+SAMPLE_CASES = [(['--temperature=0.0'], "error: temperature=0.0 is out of range: a number > 0"),
+                (['--top_k=-1'], "error: top_k=-1 is out of range: an integer >= 0, or None"),
+                (['--num_samples=0'], "error: num_samples=0 is out of range: an integer >= 1"),
+                (['--start='], "error: --start is empty: give a prompt"),
+                (['--start=Zebra {x}'], "error: the prompt has characters outside the vocabulary of")]
+
+def bad_inputs(workdir, tmp_path, bad):
+    """train.py's bad inputs and the line each must end in; bad is the out_dir of a checkpoint of
+    train.py's small model. Writes the broken files they read to tmp_path."""
     (tmp_path / 'short').mkdir()
     np.zeros(10, dtype=np.uint16).tofile(tmp_path / 'short' / 'train.bin')
     np.zeros(10, dtype=np.uint16).tofile(tmp_path / 'short' / 'val.bin')
     truncated = tmp_path / 'trunc'
     truncated.mkdir()
-    data = (workdir / 'bad' / 'ckpt.pt').read_bytes()
+    data = (workdir / bad / 'ckpt.pt').read_bytes()
     (truncated / 'ckpt.pt').write_bytes(data[:len(data) // 2])
     (tmp_path / 'other').mkdir()
     with open(tmp_path / 'other' / 'meta.pkl', 'wb') as f:
         pickle.dump(dict(vocab_size=99), f)
     for src in ('train.bin', 'val.bin'):
         (tmp_path / 'other' / src).write_bytes((workdir / 'data' / 'shakespeare_char' / src).read_bytes())
-    cases = [
+    (tmp_path / 'a-file').write_text('')
+    for name, data in (('empty', b''), ('garbage', b'not a checkpoint at all')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / 'ckpt.pt').write_bytes(data)
+    (tmp_path / 'bpe').mkdir()
+    for src in ('train.bin', 'val.bin'):
+        (tmp_path / 'bpe' / src).write_bytes((workdir / 'data' / 'shakespeare_char' / src).read_bytes())
+    return [
         (['--batch_size=big'], "error: batch_size='big' (from --batch_size=big) should be of type int, not str"),
         (['--learning_rate'], "error: --learning_rate: overrides take the form --key=value"),
         (['--dataset=nope'], f"error: no {os.path.join('data', 'nope', 'train.bin')}: prepare the data first"),
         ([f'--data_dir={tmp_path}', '--dataset=short'], f"error: {tmp_path / 'short' / 'train.bin'} has 10 tokens, fewer than block_size+1 = 17"),
         (['--out_dir=nothing', '--init_from=resume'], f"error: no checkpoint at {os.path.join('nothing', 'ckpt.pt')}"),
         ([f'--out_dir={truncated}', '--init_from=resume'], f"error: {truncated / 'ckpt.pt'} is not a readable checkpoint"),
-        (['--out_dir=bad', '--init_from=resume', f'--data_dir={tmp_path}', '--dataset=other'],
-         f"error: {tmp_path / 'other' / 'meta.pkl'} has vocab_size 99 but {os.path.join('bad', 'ckpt.pt')} has"),
-        (['--out_dir=bad', '--init_from=resume', '--residual=mhc', '--depth_block=1'],
-         f"error: {os.path.join('bad', 'ckpt.pt')} was trained with depth_block=2; it cannot resume as depth_block=1"),
+        ([f'--out_dir={bad}', '--init_from=resume', f'--data_dir={tmp_path}', '--dataset=other'],
+         f"error: {tmp_path / 'other' / 'meta.pkl'} has vocab_size 99 but {os.path.join(bad, 'ckpt.pt')} has"),
+        ([f'--out_dir={bad}', '--init_from=resume', '--residual=mhc', '--depth_block=1'],
+         f"error: {os.path.join(bad, 'ckpt.pt')} was trained with depth_block=2; it cannot resume as depth_block=1"),
         (['--device=cuda'], "error: device=cuda but CUDA is not available here"),
         (['--residual=dar', '--depth_block=0'], "error: depth_block=0 must be >= 1"),
         # every value checked at start, one line naming the flag and its range
@@ -977,65 +1041,194 @@ def test_bad_inputs_fail_with_one_line(workdir, tmp_path):
         ([f'--out_dir={tmp_path / "empty"}', '--init_from=resume'], f"error: {tmp_path / 'empty' / 'ckpt.pt'} is empty (0 bytes): not a checkpoint"),
         ([f'--out_dir={tmp_path / "garbage"}', '--init_from=resume'],
          f"error: {tmp_path / 'garbage' / 'ckpt.pt'} is not a readable checkpoint: truncated, damaged or another format"),
-        (['--out_dir=bad', '--init_from=resume', f'--data_dir={tmp_path}', '--dataset=bpe'],
-         f"error: {tmp_path / 'bpe'} holds GPT-2 BPE tokens (no meta.pkl) but {os.path.join('bad', 'ckpt.pt')} has a vocabulary of"),
+        ([f'--out_dir={bad}', '--init_from=resume', f'--data_dir={tmp_path}', '--dataset=bpe'],
+         f"error: {tmp_path / 'bpe'} holds GPT-2 BPE tokens (no meta.pkl) but {os.path.join(bad, 'ckpt.pt')} has a vocabulary of"),
         # nothing lost: a scratch run does not replace a checkpoint
-        (['--out_dir=bad'], f"error: {os.path.join('bad', 'ckpt.pt')} exists: continue it with --init_from=resume, replace it with --overwrite=True"),
+        ([f'--out_dir={bad}'], f"error: {os.path.join(bad, 'ckpt.pt')} exists: continue it with --init_from=resume, replace it with --overwrite=True"),
     ]
-    (tmp_path / 'a-file').write_text('')
-    for name, data in (('empty', b''), ('garbage', b'not a checkpoint at all')):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / 'ckpt.pt').write_bytes(data)
-    (tmp_path / 'bpe').mkdir()
-    for src in ('train.bin', 'val.bin'):
-        (tmp_path / 'bpe' / src).write_bytes((workdir / 'data' / 'shakespeare_char' / src).read_bytes())
+
+def write_checkpoint(workdir, out_dir):
+    """A checkpoint of the model train.py builds from SMALL, untrained, as train.py writes it."""
+    cfg, _ = train.configure(train.DEFAULTS, SMALL)
+    model_args = {k: cfg[k] for k in train.MODEL_KEYS if k != 'vocab_size'}
+    with open(workdir / 'data' / 'shakespeare_char' / 'meta.pkl', 'rb') as f:
+        model_args['vocab_size'] = pickle.load(f)['vocab_size']
+    model = GPT(GPTConfig(**model_args))
+    (workdir / out_dir).mkdir(exist_ok=True)
+    torch.save(dict(model=model.state_dict(), model_args=model_args, config=cfg, iter_num=0), workdir / out_dir / 'ckpt.pt')
+
+def fails(main, args, capsys):
+    """main(args) in this process: its exit status and its stderr."""
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    return e.value.code, capsys.readouterr().err
+
+def test_bad_inputs_fail_with_one_line_in_process(workdir, tmp_path, monkeypatch, capsys):
+    """Every bad input of train.py and sample.py ends in its one line, checked in this process (the
+    subprocess twin, marked slow, also checks the exit status and that no traceback is printed)."""
+    monkeypatch.chdir(workdir)
+    # a case that trained by mistake must end this test, not the test process (train.py ends in
+    # os._exit) nor leave its signal handlers behind
+    monkeypatch.setattr(os, '_exit', lambda status: pytest.fail(f"train.main ran to its end ({status})"))
+    monkeypatch.setattr(train.signal, 'signal', lambda *args: None)
+    write_checkpoint(workdir, 'bad-quick')
+    cases = bad_inputs(workdir, tmp_path, 'bad-quick') + [
+        (['--n_layers=2'], "error: unknown config key 'n_layers' (from --n_layers=2); did you mean 'n_layer'?"),
+        (['--n_layer=two'], "error: n_layer='two' (from --n_layer=two) should be of type int, not str"),
+        (['--fsdp=True'], "error: fsdp=True needs a distributed launch")]
     for args, message in cases:
+        status, err = fails(train.main, SMALL + ['--max_iters=2'] + args, capsys)
+        assert status == 1, (args, err)
+        assert err.strip().startswith(message) and err.strip().count('\n') == 0, (args, err)
+    for args, message in SAMPLE_CASES:
+        status, err = fails(sample.main, ['--out_dir=bad-quick', '--num_samples=1'] + args, capsys)
+        assert status == 1 and last_line(err).startswith(message), (args, err)
+    assert last_line(err).endswith("'Zx{}'")
+    for top_k in ('0', 'None'): # no top-k
+        sample.main(['--out_dir=bad-quick', f'--top_k={top_k}', '--num_samples=1', '--max_new_tokens=5'])
+
+@pytest.mark.slow
+def test_bad_inputs_fail_with_one_line(workdir, tmp_path):
+    run(SMALL + ['--out_dir=bad', '--max_iters=2'], workdir)
+    for args, message in bad_inputs(workdir, tmp_path, 'bad'):
         p = run(SMALL + ['--max_iters=2'] + args, workdir, check=False)
         assert p.returncode == 1, (args, p.stderr)
         assert last_line(p.stderr).startswith(message), (args, last_line(p.stderr))
         assert 'Traceback' not in p.stderr
-    for args, message in [(['--temperature=0.0'], "error: temperature=0.0 is out of range: a number > 0"),
-                          (['--top_k=-1'], "error: top_k=-1 is out of range: an integer >= 0, or None"),
-                          (['--num_samples=0'], "error: num_samples=0 is out of range: an integer >= 1"),
-                          (['--start='], "error: --start is empty: give a prompt")]:
-        p = run(['--out_dir=bad'] + args, workdir, check=False, module='sample.py')
+    for args, message in SAMPLE_CASES:
+        p = run(['--out_dir=bad', '--num_samples=1'] + args, workdir, check=False, module='sample.py')
         assert p.returncode == 1 and last_line(p.stderr).startswith(message), (args, p.stderr)
+        assert 'Traceback' not in p.stderr
+    assert p.stderr.strip().endswith("'Zx{}'")
     for top_k in ('0', 'None'): # no top-k
         run(['--out_dir=bad', f'--top_k={top_k}', '--num_samples=1', '--max_new_tokens=5'], workdir, module='sample.py')
-    p = run(['--out_dir=bad', '--start=Zebra {x}', '--num_samples=1'], workdir, check=False, module='sample.py')
-    assert p.returncode == 1
-    assert last_line(p.stderr).startswith("error: the prompt has characters outside the vocabulary of") and p.stderr.strip().endswith("'Zx{}'")
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(workdir):
-    cmd = [sys.executable, os.path.join(ROOT, 'train.py')] + SMALL + ['--out_dir=sig', '--max_iters=100000', '--eval_interval=100000']
-    p = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in p.stdout: # wait until training runs
-        if line.startswith('iter 3:'):
-            break
-    p.send_signal(subprocess.signal.SIGTERM)
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 0
-    stop = [l for l in out.splitlines() if l.startswith('stopped by SIGTERM')]
-    assert stop, out
-    ckpt = torch.load(workdir / 'sig' / 'ckpt.pt', weights_only=True)
-    assert ckpt['iter_num'] >= 3 and f"iteration {ckpt['iter_num']};" in stop[0]
+HELD = """
+import sys, select
+sys.path.insert(0, {root!r})
+import train
 
-def test_a_second_sigterm_exits_at_once(workdir):
-    """The first signal asks for a checkpoint at the end of the step; a second one, during that
-    (slow) step, exits at once, without writing."""
-    cmd = [sys.executable, os.path.join(ROOT, 'train.py')] + SMALL + ['--out_dir=sig2', '--max_iters=100000', '--eval_interval=100000',
-           '--n_layer=8', '--n_embd=256', '--block_size=128', '--batch_size=32']
-    p = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in p.stdout: # wait until training runs
-        if line.startswith('iter 1:'):
-            break
-    p.send_signal(subprocess.signal.SIGTERM)
-    time.sleep(0.3)
-    p.send_signal(subprocess.signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 1 and 'second SIGTERM: exiting now' in err, err
-    assert not (workdir / 'sig2' / 'ckpt.pt').exists()
+def hold(what):
+    print(what, flush=True) # the test reads this on stdout, then releases the run with a line on stdin
+    while not select.select([sys.stdin], [], [], 0.1)[0]: # wake often: signal handlers run between waits
+        pass
+    sys.stdin.readline()
 
+where, calls = sys.argv.pop(1), [0]
+get_batch, save_checkpoint = train.get_batch, train.save_checkpoint
+def held_get_batch(*args): # calls 1-4 are the first eval's (eval_iters=2, two splits); 7 is the 3rd step's
+    calls[0] += 1
+    if where.startswith('step') and calls[0] == 7:
+        hold('held in step 3')
+    return get_batch(*args)
+def held_save_checkpoint(*args):
+    save_checkpoint(*args)
+    if where.endswith('save'):
+        hold('held after the save')
+train.get_batch, train.save_checkpoint = held_get_batch, held_save_checkpoint
+train.main(sys.argv[1:])
+"""
+
+class HeldRun:
+    """train.py held at points the test controls, each until the test calls release(): 'step' holds
+    the 3rd step (in its get_batch), 'step+save' also holds after a checkpoint is saved. A signal
+    sent while it is held provably arrives there, whatever the machine's speed. Its output is read
+    by threads, so that a missing line fails the test after a minute instead of hanging it."""
+
+    def __init__(self, workdir, where, out_dir):
+        script = workdir / 'held_train.py'
+        script.write_text(HELD.format(root=ROOT))
+        cmd = [sys.executable, str(script), where] + SMALL + [f'--out_dir={out_dir}', '--max_iters=100000', '--eval_interval=100000']
+        self.p = subprocess.Popen(cmd, cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines = {'out': queue.Queue(), 'err': queue.Queue()}
+        self.text = {'out': [], 'err': []}
+        for name, stream in (('out', self.p.stdout), ('err', self.p.stderr)):
+            threading.Thread(target=self.read, args=(name, stream), daemon=True).start()
+        self.wait_for('out', 'held in step 3')
+
+    def read(self, name, stream):
+        for line in stream:
+            self.lines[name].put(line)
+        self.lines[name].put(None) # end of the stream
+
+    def wait_for(self, name, start):
+        """Read the stream up to a line that starts with start."""
+        while True:
+            line = self.lines[name].get(timeout=60)
+            if line is None:
+                raise AssertionError(f"no line starting with {start!r} in:\n{''.join(self.text[name])}")
+            self.text[name].append(line)
+            if line.startswith(start):
+                return
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.p.poll() is None: # a failed test leaves no run behind
+            self.p.kill()
+            self.p.wait()
+
+    def signal(self, name):
+        self.p.send_signal(getattr(subprocess.signal, name))
+
+    def release(self):
+        self.p.stdin.write('go\n')
+        self.p.stdin.flush()
+
+    def finish(self):
+        """Release the run, wait for its end; its exit status, stdout and stderr."""
+        with contextlib.suppress(BrokenPipeError): # it may have exited already
+            self.release()
+        self.p.wait(timeout=120)
+        for name in self.lines:
+            while (line := self.lines[name].get(timeout=60)) is not None:
+                self.text[name].append(line)
+        return self.p.returncode, ''.join(self.text['out']), ''.join(self.text['err'])
+
+# timeout(1) sends SIGTERM twice; Ctrl-C under torchrun reaches a rank from the terminal and from torchrun
+@pytest.mark.slow
+@pytest.mark.parametrize('signals', [['SIGTERM'], ['SIGTERM', 'SIGTERM'], ['SIGINT', 'SIGTERM']])
+def test_a_stop_signal_saves_a_checkpoint_at_the_end_of_the_step(workdir, signals):
+    """The first signal asks for a stop at the end of the step: a checkpoint of that step, one line,
+    exit status 128 + the signal's number. Repeats sent at once (microseconds apart, against
+    train.REPEAT_S of 2 s) are the same request."""
+    out_dir = 'sig-' + '-'.join(signals)
+    with HeldRun(workdir, 'step', out_dir) as run:
+        for name in signals:
+            run.signal(name)
+        run.wait_for('err', f"{signals[0]}: stopping at the end of this step")
+        status, out, err = run.finish()
+    assert status == 128 + getattr(subprocess.signal, signals[0]), err
+    assert f"stopped by {signals[0]} at iteration 3; saved checkpoint to {os.path.join(out_dir, 'ckpt.pt')}" in out
+    assert 'second' not in err
+    assert torch.load(workdir / out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == 3
+
+@pytest.mark.slow
+@pytest.mark.parametrize('where', ['step', 'save'])
+def test_a_second_signal_exits_at_once(workdir, where):
+    """A signal later than train.REPEAT_S after the first exits at once with one line and status 1:
+    during the step, writing no checkpoint; after the stop's checkpoint is saved, leaving it whole
+    (so never a bare -15 while a saved run shuts down)."""
+    out_dir = f'sig2-{where}'
+    with HeldRun(workdir, 'step+save' if where == 'save' else 'step', out_dir) as run:
+        run.signal('SIGTERM')
+        run.wait_for('err', "SIGTERM: stopping at the end of this step")
+        if where == 'save': # let the step end; the run saves its checkpoint and is held there
+            run.release()
+            run.wait_for('out', 'held after the save')
+        time.sleep(train.REPEAT_S + 0.1) # the run is held, so a longer wait changes nothing
+        run.signal('SIGTERM')
+        status, out, err = run.finish()
+    assert status == 1, err
+    assert f"second SIGTERM: exiting now; {os.path.join(out_dir, 'ckpt.pt')} keeps the last saved checkpoint" in err
+    assert 'stopped by' not in out
+    if where == 'step':
+        assert not (workdir / out_dir / 'ckpt.pt').exists()
+    else:
+        assert torch.load(workdir / out_dir / 'ckpt.pt', weights_only=True)['iter_num'] == 3
+
+@pytest.mark.slow
 def test_eval_only_and_resuming_a_finished_run_leave_the_checkpoint(workdir):
     run(SMALL + ['--out_dir=keep', '--max_iters=2'], workdir)
     before = (workdir / 'keep' / 'ckpt.pt').read_bytes()
@@ -1047,6 +1240,7 @@ def test_eval_only_and_resuming_a_finished_run_leave_the_checkpoint(workdir):
     assert (workdir / 'keep' / 'ckpt.pt').read_bytes() != before
     assert 'done: 1 iterations, 1 in this run' in p.stdout and 'sample it with: python sample.py --out_dir=keep' in p.stdout
 
+@pytest.mark.slow
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py'])
 def test_help_lists_every_key_with_its_default_and_comment(script, tmp_path):
     p = run(['--help'], tmp_path, module=script)
@@ -1055,10 +1249,12 @@ def test_help_lists_every_key_with_its_default_and_comment(script, tmp_path):
             'bench.py': "--rounds=10  # timed rounds per path", 'analyze.py': "--batches=8  # val batches"}[script]
     assert want in p.stdout
 
+@pytest.mark.slow
 def test_a_redirected_log_has_no_progress_bar(workdir):
     p = run(SMALL + ['--out_dir=bar', '--max_iters=3'], workdir)
     assert '\r' not in p.stderr and 'it/s' not in p.stderr
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
     run(SMALL + ['--out_dir=nan', '--max_iters=3'], workdir)
     before = (workdir / 'nan' / 'ckpt.pt').read_bytes()
@@ -1071,6 +1267,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
 # -----------------------------------------------------------------------------
 # scale: large-corpus shards, FSDP2, activation checkpointing
 
+@pytest.mark.slow
 def test_large_corpus_shards_and_training_on_them(tmp_path):
     gpt2 = os.path.join(SHARED, 'data', 'gpt2')
     if not os.path.exists(gpt2):
@@ -1093,6 +1290,7 @@ def test_large_corpus_shards_and_training_on_them(tmp_path):
     p = run(SMALL + ['--dataset=docs', '--max_iters=2', '--out_dir=out'], tmp_path)
     assert 'step 2:' in p.stdout
 
+@pytest.mark.slow
 def test_fsdp2_two_processes_equal_one(workdir):
     args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=4', '--eval_interval=100']
     # one thread in every process, the reference too: only FSDP's reduction order may differ
@@ -1113,10 +1311,12 @@ def test_fsdp2_two_processes_equal_one(workdir):
     # the FSDP checkpoint resumes in a single process
     run(args + ['--out_dir=fsdp2', '--max_iters=5', '--init_from=resume'], workdir)
 
+@pytest.mark.slow
 def test_fsdp_needs_torchrun(workdir):
     p = run(SMALL + ['--fsdp=True'], workdir, check=False)
     assert p.returncode == 1 and last_line(p.stderr).startswith("error: fsdp=True needs a distributed launch")
 
+@pytest.mark.slow
 def test_bench_rows_per_path_and_mode(tmp_path):
     """bench.py's table: one row per path and mode, ratios to standard in the same mode, decode
     and memory only where they are measured."""
@@ -1129,3 +1329,41 @@ def test_bench_rows_per_path_and_mode(tmp_path):
     assert results['dar-block eager']['decode_ratio'] > 0 and results['dar-block eager']['peak_memory_mb'] > 0
     p = run(['--modes=fast'], tmp_path, module='bench.py', check=False)
     assert p.returncode == 1 and last_line(p.stderr) == 'error: --modes: unknown mode fast; compiled and / or eager'
+
+# -----------------------------------------------------------------------------
+# the docs name only what exists
+
+def doc_files():
+    return [os.path.join(ROOT, 'README.md')] + sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+
+def code_text():
+    return '\n'.join(open(p).read() for p in glob.glob(os.path.join(ROOT, '**', '*.py'), recursive=True))
+
+def test_every_code_name_in_the_docs_exists():
+    """Every backticked name in README.md and docs/ (an identifier, a dotted name, a call, a
+    --flag, a file) is in the code or the repository: no name left behind by a change."""
+    code, missing = code_text(), []
+    for path in doc_files():
+        text = re.sub(r'```.*?```', '', open(path).read(), flags=re.S) # inline spans only
+        for span in re.findall(r'`([^`\n]+)`', text):
+            flag = re.fullmatch(r'--(\w+)(=\S*)?', span)
+            if flag:
+                names = [flag.group(1)]
+            elif re.fullmatch(r'[\w/-][\w./-]*\.(py|md|json|png|txt|ini)', span): # not ../: outside the repository
+                # a file of the repository, or one the code writes
+                if not os.path.exists(os.path.join(ROOT, span)) and os.path.basename(span) not in code:
+                    missing.append((os.path.basename(path), span))
+                continue
+            elif re.fullmatch(r'[A-Za-z_][\w.]*(\(.*\))?', span):
+                names = span.split('(')[0].split('.')
+            else:
+                continue # a command, an equation or a value
+            missing += [(os.path.basename(path), span) for n in names if not re.search(rf'\b{re.escape(n)}\b', code)]
+    assert not missing, missing
+
+def test_the_readme_code_is_the_models():
+    """The README's python blocks are lines of model.py, as they are there."""
+    model_lines = {l.strip() for l in open(os.path.join(ROOT, 'model.py'))}
+    readme = open(os.path.join(ROOT, 'README.md')).read()
+    lines = [l.strip() for block in re.findall(r'```python\n(.*?)```', readme, flags=re.S) for l in block.splitlines()]
+    assert lines and [l for l in lines if l and l not in model_lines] == []

@@ -93,6 +93,7 @@ fsdp = False # under torchrun: shard parameters, gradients and optimizer state w
 activation_checkpointing = False # recompute each attention / MLP branch in the backward pass to save memory
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
+REPEAT_S = 2.0 # a stop signal repeated within this many seconds is the same request
 MODEL_KEYS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout', 'residual',
               'depth_block', 'include_partial', 'dar_routing', 'mhc_streams', 'n_expert',
               'n_expert_active', 'n_shared_expert', 'expert_hidden', 'moe_aux_loss_coef', 'moe_z_loss_coef', 'moe_every')
@@ -441,23 +442,30 @@ def main(argv):
     t0 = t_start = time.time()
     local_iter_num = 0 # number of iterations in the lifetime of this process
     running_mfu = -1.0
-    # SIGINT / SIGTERM: finish the step, save a checkpoint, exit cleanly; a second one exits at once
-    # (the checkpoint is written to a temp name and renamed, so the last good one stays whole)
-    signals = []
+    # SIGINT / SIGTERM: finish the step, save a checkpoint, exit with 128 + the signal's number.
+    # Repeats within REPEAT_S of the first are the same request: timeout(1) sends SIGTERM twice,
+    # and Ctrl-C under torchrun reaches a rank from the terminal and from torchrun. A later one
+    # exits at once (checkpoints are written to a temp name and renamed: the last one stays whole).
+    first_signal = [] # (signal number, time) of the stop request
     def on_signal(signum, frame):
-        if signals:
-            print(f"second {signal.Signals(signum).name}: exiting now; {ckpt_path} keeps the last saved checkpoint", file=sys.stderr)
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if not first_signal: # os.write: a print here could re-enter a print that the signal interrupted
+            first_signal.append((signum, now))
+            os.write(2, f"{name}: stopping at the end of this step; send it again to exit at once\n".encode())
+        elif now - first_signal[0][1] > REPEAT_S:
+            os.write(2, f"second {name}: exiting now; {ckpt_path} keeps the last saved checkpoint\n".encode())
             os._exit(1)
-        signals.append(signal.Signals(signum).name)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     def stop_requested():
-        """Whether any rank got a signal, so that all ranks stop at the same iteration."""
+        """The number of the signal that asked for a stop (0: none), the same on every rank, so
+        that all ranks stop at the same iteration."""
+        signum = first_signal[0][0] if first_signal else 0
         if not ddp:
-            return bool(signals)
-        flag = torch.tensor(float(bool(signals)), device=device)
+            return signum
+        flag = torch.tensor(signum, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        return flag.item()
     while True:
         # evaluate the loss on train/val sets and write checkpoints
         last = iter_num >= max_iters
@@ -468,7 +476,7 @@ def main(argv):
             if master_process and stopping:
                 if checkpoint is not None:
                     save_checkpoint(checkpoint, ckpt_path)
-                tqdm.write(f"stopped by {signals[0] if signals else 'a signal to another rank'} at iteration {iter_num}"
+                tqdm.write(f"stopped by {signal.Signals(stopping).name} at iteration {iter_num}"
                            + (f"; saved checkpoint to {ckpt_path}" if checkpoint is not None else ""))
             elif not stopping:
                 losses = estimate_loss() # on every rank: under FSDP a forward is a collective
@@ -554,13 +562,15 @@ def main(argv):
         print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
     if ddp:
         dist.destroy_process_group()
-        # Leave without Python's shutdown. A gloo worker thread may still be releasing a finished
-        # collective, whose tensors need the GIL to be freed; CPython ends a thread that takes the
-        # GIL during finalization, and ending it inside a C++ destructor calls std::terminate. So
-        # a rank whose run was saved could die with SIGABRT. Nothing is left unwritten: flush, exit.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # Leave without Python's shutdown, with the run's status: 0, or 128 + the signal's number after
+    # a stop, so that a script sees the run did not finish. In the shutdown Python's signal
+    # handlers are gone: a repeated signal would kill a saved run with a bare -15. Under DDP a gloo
+    # worker thread may still be releasing a finished collective, whose tensors need the GIL;
+    # CPython ends a thread that takes the GIL during finalization, and ending it inside a C++
+    # destructor calls std::terminate (SIGABRT). Nothing is left unwritten: flush, exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + stopping if stopping else 0)
 
 if __name__ == '__main__':
     main(sys.argv[1:])
