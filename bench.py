@@ -1,31 +1,40 @@
 """
-Speed and memory of every residual path, side by side, against the standard residual.
+Speed and memory of the residual paths, side by side, against the standard residual.
 
-$ python bench.py                            # the train.py default model, compiled and eager
+$ python bench.py                            # Block AttnRes and Block DAR at the train.py default model
+$ python bench.py --paths=all                # every path
 $ python bench.py config/bench_shakespeare.py # nanoGPT's shakespeare_char width: 6 layers, 384 wide
 $ python bench.py --moe=True --json_out=bench.json
 $ python bench.py config/bench_gpu.py        # GPU-sized, bf16, compiled
+$ python bench.py --report=loop              # train.py's step against a bare loop of the same model
 
 Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
 training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
 (compiled rows: the prefill and the one-token step each compiled once, as sample.py compiles them), peak memory, parameters, the warm-up time
 (which holds the compilation), and MFU on CUDA. After the warm-up all rows run interleaved
 (A B C A B C ...), so drift hits all alike; each ratio to standard in the same mode is taken
-round by round and its median reported. Compiling every path takes a few minutes on 2 CPU cores.
+round by round and its median reported. Compiling a path takes about a minute on 2 CPU cores.
 """
 import io
+import os
+import re
 import sys
 import json
+import pickle
+import signal
+import tempfile
 import contextlib
 import time
 import statistics
 import subprocess
 
+import numpy as np
 import torch
 import torch._dynamo
 
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
+import train
 from train import autocast, check, configure, count, resolve_device
 from prepare_data import fail
 
@@ -40,7 +49,7 @@ vocab_size = 65
 bias = False
 depth_block = 2 # for the Block variants
 moe = False # also run each path with an MoE of equal active parameters
-paths = '' # comma-separated subset of the paths; '' = all
+paths = 'attnres-block,dar-block' # comma-separated, beside standard; 'all': every path
 rounds = 10 # timed rounds per path
 warmup = 2 # untimed rounds first
 decode_tokens = 32 # tokens decoded per round, after a prefill of block_size // 2
@@ -48,6 +57,7 @@ device = 'auto'
 dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere; or explicit
 modes = 'compiled,eager' # comma-separated: compiled (torch.compile) and / or eager
 json_out = '' # write all numbers here too
+report = 'paths' # paths: every path's table; loop: train.py's step against a bare loop of the standard model
 memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
@@ -156,23 +166,90 @@ def cpu_peak_memory(name, argv):
         fail(f"memory probe of {name} failed: {p.stderr.strip().splitlines()[-1]}")
     return float(p.stdout.strip().splitlines()[-1])
 
+def loop_ratio(cfg, device, ctx):
+    """train.py's iteration (data, learning rate, clipping, logging: its whole loop) against a bare
+    loop of the same standard model (forward, backward, AdamW step on pre-made batches), eager,
+    in this process: rounds of 30 iterations of each in turn, the ratio of medians per round."""
+    iters, t = 30, cfg['block_size']
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_loops(cfg, device, ctx, iters, t, tmp)
+
+def run_loops(cfg, device, ctx, iters, t, tmp):
+    os.makedirs(os.path.join(tmp, 'random'))
+    tokens = np.random.default_rng(0).integers(cfg['vocab_size'], size=100_000).astype(np.uint16)
+    for split in ('train', 'val'):
+        tokens.tofile(os.path.join(tmp, 'random', f'{split}.bin'))
+    with open(os.path.join(tmp, 'random', 'meta.pkl'), 'wb') as f:
+        pickle.dump(dict(vocab_size=cfg['vocab_size']), f)
+    args = [f'--{k}={cfg[k]}' for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'bias', 'dtype')] + [
+        f'--data_dir={tmp}', '--dataset=random', '--residual=standard', '--compile=False', f'--device={device}',
+        f'--max_iters={iters}', f'--eval_interval={iters}', '--eval_iters=1', '--log_interval=1', # every step's time
+        f'--out_dir={os.path.join(tmp, "out")}', '--overwrite=True']
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg, 'standard')).to(device)
+    d = train.DEFAULTS
+    with contextlib.redirect_stdout(io.StringIO()):
+        optimizer = model.configure_optimizers(d['weight_decay'], d['learning_rate'], (d['beta1'], d['beta2']), device.split(':')[0])
+    batches = torch.randint(cfg['vocab_size'], (8, 2, cfg['batch_size'], t), generator=torch.Generator().manual_seed(0)).to(device)
+    def bare():
+        dts, t0 = [], time.perf_counter()
+        for i in range(iters):
+            x, y = batches[i % len(batches)]
+            with ctx:
+                _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync(device)
+            t1 = time.perf_counter()
+            dts.append(t1 - t0)
+            t0 = t1
+        return dts[2:]
+    def train_py():
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            train.main(args)
+        for s, h in handlers.items(): # train.main installs its stop handlers
+            signal.signal(s, h)
+        dts = [float(ms) / 1e3 for ms in re.findall(r'^iter \d+: .*?time ([\d.]+)ms', out.getvalue(), flags=re.M)]
+        assert len(dts) == iters, out.getvalue()
+        return dts[2:] # the first steps' times hold the first eval
+    train_py(), bare() # warm-up
+    rounds = [(train_py(), bare()) for _ in range(cfg['rounds'])]
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in rounds]
+    res = dict(ratio=summary(ratios), train_py_s=summary([statistics.median(a) for a, _ in rounds]),
+               bare_s=summary([statistics.median(b) for _, b in rounds]))
+    ms = lambda r: f"{1e3 * r['median']:.1f} ms ({1e3 * r['min']:.1f}-{1e3 * r['max']:.1f})"
+    print(f"# train.py's step against a bare loop: standard, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} "
+          f"block_size={t} batch_size={cfg['batch_size']}, eager, {cfg['rounds']} rounds of {iters} steps")
+    print(f"train.py {ms(res['train_py_s'])}, bare loop {ms(res['bare_s'])}, ratio {res['ratio']['median']:.3f} "
+          f"({res['ratio']['min']:.3f}-{res['ratio']['max']:.3f})")
+    return res
+
 def summary(xs):
     return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
     check(cfg, [count(k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'vocab_size', 'depth_block',
-                                   'rounds', 'decode_tokens')]
-          + [count('warmup', 0),
-             ('decode_tokens', lambda v: cfg['block_size'] // 2 + v <= cfg['block_size'],
-              f"at most block_size - block_size // 2 = {cfg['block_size'] - cfg['block_size'] // 2} (decoding follows a prompt of block_size // 2)")])
+                                   'rounds', 'decode_tokens')] + [count('warmup', 0)])
     # every path's model compiles GPT.forward for training, prefill and decode: more than the default 8 entries
     torch._dynamo.config.recompile_limit = 64
     device = resolve_device(cfg['device'])
     dtype, ctx = autocast(device.split(':')[0], cfg['dtype'])
     if cfg['memory_probe']:
         return probe_memory(cfg, device, ctx)
-    names = cfg['paths'].split(',') if cfg['paths'] else list(PATHS)
+    if cfg['report'] not in ('paths', 'loop'):
+        fail(f"--report: unknown report {cfg['report']}; paths or loop")
+    if cfg['report'] == 'loop':
+        res = loop_ratio(cfg, device, ctx)
+        if cfg['json_out']:
+            with open(cfg['json_out'], 'w') as f:
+                json.dump(dict(config=cfg, loop=res), f, indent=1)
+        return
+    check(cfg, [('decode_tokens', lambda v: cfg['block_size'] // 2 + v <= cfg['block_size'],
+                 f"at most block_size - block_size // 2 = {cfg['block_size'] - cfg['block_size'] // 2} (decoding follows a prompt of block_size // 2)")])
+    names = list(PATHS) if cfg['paths'] == 'all' else cfg['paths'].split(',')
     for name in names:
         if name not in PATHS:
             fail(f"--paths: unknown path {name}; one of {', '.join(PATHS)}")

@@ -1067,9 +1067,7 @@ def test_bad_inputs_fail_with_one_line_in_process(workdir, tmp_path, monkeypatch
     """Every bad input of train.py and sample.py ends in its one line, checked in this process (the
     subprocess twin, marked slow, also checks the exit status and that no traceback is printed)."""
     monkeypatch.chdir(workdir)
-    # a case that trained by mistake must end this test, not the test process (train.py ends in
-    # os._exit) nor leave its signal handlers behind
-    monkeypatch.setattr(os, '_exit', lambda status: pytest.fail(f"train.main ran to its end ({status})"))
+    # a case that trained by mistake must not leave its signal handlers behind
     monkeypatch.setattr(train.signal, 'signal', lambda *args: None)
     write_checkpoint(workdir, 'bad-quick')
     cases = bad_inputs(workdir, tmp_path, 'bad-quick') + [
@@ -1126,7 +1124,7 @@ def held_save_checkpoint(*args):
     if where.endswith('save'):
         hold('held after the save')
 train.get_batch, train.save_checkpoint = held_get_batch, held_save_checkpoint
-train.main(sys.argv[1:])
+train.exit_now(train.main(sys.argv[1:]))
 """
 
 class HeldRun:
@@ -1267,6 +1265,20 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
 # -----------------------------------------------------------------------------
 # scale: large-corpus shards, FSDP2, activation checkpointing
 
+def test_get_batch_reads_the_windows_of_every_shard(tmp_path):
+    """Window i of all shards in turn is tokens [i, i + block_size] of its shard, never crossing
+    into the next; targets are the inputs shifted by one."""
+    rng, T, shards, windows = np.random.default_rng(0), 8, [], []
+    for n, size in enumerate([50, 80, 70]):
+        tokens = rng.integers(0, 65, size).astype(np.uint16)
+        tokens.tofile(tmp_path / f'{n}.bin')
+        shards.append((str(tmp_path / f'{n}.bin'), size - T))
+        windows += [tokens[i:i + T + 1] for i in range(size - T)]
+    ix = torch.randint(len(windows), (40,), generator=torch.Generator().manual_seed(0))
+    x, y = train.get_batch(shards, ix, T, 'cpu')
+    want = torch.from_numpy(np.stack([windows[i] for i in ix.tolist()]).astype(np.int64))
+    assert torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+
 @pytest.mark.slow
 def test_large_corpus_shards_and_training_on_them(tmp_path):
     gpt2 = os.path.join(SHARED, 'data', 'gpt2')
@@ -1329,6 +1341,21 @@ def test_bench_rows_per_path_and_mode(tmp_path):
     assert results['dar-block eager']['decode_ratio'] > 0 and results['dar-block eager']['peak_memory_mb'] > 0
     p = run(['--modes=fast'], tmp_path, module='bench.py', check=False)
     assert p.returncode == 1 and last_line(p.stderr) == 'error: --modes: unknown mode fast; compiled and / or eager'
+    p = run(['--block_size=16', '--decode_tokens=9'], tmp_path, module='bench.py', check=False)
+    assert p.returncode == 1 and last_line(p.stderr).startswith('error: decode_tokens=9 is out of range: at most block_size - block_size // 2 = 8')
+
+@pytest.mark.slow
+def test_bench_times_train_py_against_a_bare_loop(tmp_path):
+    """bench.py --report=loop: train.py's step and a bare loop of the same model, in one process."""
+    out = tmp_path / 'loop.json'
+    p = run(['--report=loop', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
+             '--rounds=2', f'--json_out={out}'], tmp_path, module='bench.py')
+    loop = json.loads(out.read_text())['loop']
+    assert loop['train_py_s']['median'] > 0 and loop['bare_s']['median'] > 0 and loop['ratio']['min'] > 0
+    assert re.search(r"^train\.py [\d.]+ ms .*, bare loop [\d.]+ ms .*, ratio [\d.]+ ", p.stdout, flags=re.M)
+    assert os.listdir(tmp_path) == ['loop.json'] # its token files and checkpoints were temporary
+    p = run(['--report=speed'], tmp_path, module='bench.py', check=False)
+    assert p.returncode == 1 and last_line(p.stderr) == 'error: --report: unknown report speed; paths or loop'
 
 # -----------------------------------------------------------------------------
 # the docs name only what exists

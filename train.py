@@ -247,17 +247,17 @@ def open_split(data_dir, split, block_size):
 
 def get_batch(shards, ix, block_size, device):
     """Inputs and targets of the windows ix, indices into all windows of all shards in turn."""
-    ends = np.cumsum([w for _, w in shards])
-    x, y = [], []
-    for i in ix.tolist():
-        s = int(np.searchsorted(ends, i, side='right'))
-        i -= int(ends[s - 1]) if s else 0
+    ix, ends = ix.numpy(), np.cumsum([w for _, w in shards])
+    shard = np.searchsorted(ends, ix, side='right') # the shard of each window
+    start = ix - np.concatenate(([0], ends))[shard] # and where it starts there
+    xy = np.empty((len(ix), block_size + 1), dtype=np.int64)
+    for s in np.unique(shard):
         # recreate np.memmap every batch to avoid a memory leak, as per
         # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
         data = np.memmap(shards[s][0], dtype=np.uint16, mode='r')
-        x.append(torch.from_numpy(data[i:i+block_size].astype(np.int64)))
-        y.append(torch.from_numpy(data[i+1:i+1+block_size].astype(np.int64)))
-    x, y = torch.stack(x), torch.stack(y)
+        rows = shard == s
+        xy[rows] = data[start[rows, None] + np.arange(block_size + 1)] # (rows, block_size + 1)
+    x, y = torch.from_numpy(xy[:, :-1].copy()), torch.from_numpy(xy[:, 1:].copy())
     if 'cuda' in device:
         # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
@@ -524,7 +524,7 @@ def main(argv):
         # clip the gradient
         if cfg['grad_clip'] != 0.0:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'], foreach=True)
         # step the optimizer and scaler if training in fp16
         scaler.step(optimizer)
         scaler.update()
@@ -562,15 +562,17 @@ def main(argv):
         print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
     if ddp:
         dist.destroy_process_group()
-    # Leave without Python's shutdown, with the run's status: 0, or 128 + the signal's number after
-    # a stop, so that a script sees the run did not finish. In the shutdown Python's signal
-    # handlers are gone: a repeated signal would kill a saved run with a bare -15. Under DDP a gloo
-    # worker thread may still be releasing a finished collective, whose tensors need the GIL;
-    # CPython ends a thread that takes the GIL during finalization, and ending it inside a C++
-    # destructor calls std::terminate (SIGABRT). Nothing is left unwritten: flush, exit.
+    return 128 + stopping if stopping else 0 # after a stop: a script sees the run did not finish
+
+def exit_now(status):
+    """Leave without Python's shutdown. In the shutdown Python's signal handlers are gone: a
+    repeated signal would kill a saved run with a bare -15. Under DDP a gloo worker thread may
+    still be releasing a finished collective, whose tensors need the GIL; CPython ends a thread
+    that takes the GIL during finalization, and ending it inside a C++ destructor calls
+    std::terminate (SIGABRT). Nothing is left unwritten: flush, exit."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(128 + stopping if stopping else 0)
+    os._exit(status)
 
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    exit_now(main(sys.argv[1:]))
