@@ -10,7 +10,8 @@ $ python bench.py --report=loop              # train.py's step against a bare lo
 
 Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
 training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
-(compiled rows: the prefill and the one-token step each compiled once, as sample.py compiles them), peak memory, parameters, the warm-up time
+(compiled rows: the prefill and the one-token step each compiled once, as sample.py compiles them),
+peak memory, the tensors saved for backward, parameters, the warm-up time
 (which holds the compilation), and MFU on CUDA. After the warm-up all rows run interleaved
 (A B C A B C ...), so drift hits all alike; each ratio to standard in the same mode is taken
 round by round and its median reported. Compiling a path takes about a minute on 2 CPU cores.
@@ -34,8 +35,7 @@ import torch._dynamo
 
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
-import train
-from train import autocast, check, configure, count, resolve_device
+from train import autocast, check, configure, count, resolve_device, main as train_main, DEFAULTS as TRAIN_DEFAULTS
 from prepare_data import fail
 
 # -----------------------------------------------------------------------------
@@ -127,6 +127,20 @@ class Runner:
             sync(self.device)
         return (time.perf_counter() - t0) / self.decode_tokens
 
+    def saved_mb(self):
+        """MB of the tensors one training forward saves for backward (compiled: what the
+        forward/backward partition hands to backward), each storage once, parameters excluded
+        (under autocast their low-precision copies count)."""
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        saved = {}
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.ctx:
+            self.fwd(self.x, self.y)
+        return sum(saved.values()) / 2**20
+
 def sync(device):
     if 'cuda' in device:
         torch.cuda.synchronize()
@@ -166,64 +180,68 @@ def cpu_peak_memory(name, argv):
         fail(f"memory probe of {name} failed: {p.stderr.strip().splitlines()[-1]}")
     return float(p.stdout.strip().splitlines()[-1])
 
-def loop_ratio(cfg, device, ctx):
-    """train.py's iteration (data, learning rate, clipping, logging: its whole loop) against a bare
-    loop of the same standard model (forward, backward, AdamW step on pre-made batches), eager,
-    in this process: rounds of 30 iterations of each in turn, the ratio of medians per round."""
-    iters, t = 30, cfg['block_size']
-    with tempfile.TemporaryDirectory() as tmp:
-        return run_loops(cfg, device, ctx, iters, t, tmp)
+def bare_loop(model, optimizer, batches, ctx, device, iters):
+    """Seconds per step of a bare loop: forward, backward, AdamW step, on pre-made batches."""
+    dts, t0 = [], time.perf_counter()
+    for i in range(iters):
+        x, y = batches[i % len(batches)]
+        with ctx:
+            _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        t1 = time.perf_counter()
+        dts.append(t1 - t0)
+        t0 = t1
+    return dts
 
-def run_loops(cfg, device, ctx, iters, t, tmp):
-    os.makedirs(os.path.join(tmp, 'random'))
-    tokens = np.random.default_rng(0).integers(cfg['vocab_size'], size=100_000).astype(np.uint16)
-    for split in ('train', 'val'):
-        tokens.tofile(os.path.join(tmp, 'random', f'{split}.bin'))
-    with open(os.path.join(tmp, 'random', 'meta.pkl'), 'wb') as f:
-        pickle.dump(dict(vocab_size=cfg['vocab_size']), f)
-    args = [f'--{k}={cfg[k]}' for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'bias', 'dtype')] + [
-        f'--data_dir={tmp}', '--dataset=random', '--residual=standard', '--compile=False', f'--device={device}',
-        f'--max_iters={iters}', f'--eval_interval={iters}', '--eval_iters=1', '--log_interval=1', # every step's time
-        f'--out_dir={os.path.join(tmp, "out")}', '--overwrite=True']
-    torch.manual_seed(0)
-    model = GPT(model_config(cfg, 'standard')).to(device)
-    d = train.DEFAULTS
-    with contextlib.redirect_stdout(io.StringIO()):
-        optimizer = model.configure_optimizers(d['weight_decay'], d['learning_rate'], (d['beta1'], d['beta2']), device.split(':')[0])
-    batches = torch.randint(cfg['vocab_size'], (8, 2, cfg['batch_size'], t), generator=torch.Generator().manual_seed(0)).to(device)
-    def bare():
-        dts, t0 = [], time.perf_counter()
-        for i in range(iters):
-            x, y = batches[i % len(batches)]
-            with ctx:
-                _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync(device)
-            t1 = time.perf_counter()
-            dts.append(t1 - t0)
-            t0 = t1
-        return dts[2:]
-    def train_py():
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+def train_py_loop(args):
+    """Seconds per step of train.py's own loop, from its log line of every step."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            train.main(args)
-        for s, h in handlers.items(): # train.main installs its stop handlers
+            status = train_main(args)
+    finally: # train.main installs its stop handlers
+        for s, h in handlers.items():
             signal.signal(s, h)
-        dts = [float(ms) / 1e3 for ms in re.findall(r'^iter \d+: .*?time ([\d.]+)ms', out.getvalue(), flags=re.M)]
-        assert len(dts) == iters, out.getvalue()
-        return dts[2:] # the first steps' times hold the first eval
-    train_py(), bare() # warm-up
-    rounds = [(train_py(), bare()) for _ in range(cfg['rounds'])]
-    ratios = [statistics.median(a) / statistics.median(b) for a, b in rounds]
-    res = dict(ratio=summary(ratios), train_py_s=summary([statistics.median(a) for a, _ in rounds]),
-               bare_s=summary([statistics.median(b) for _, b in rounds]))
-    ms = lambda r: f"{1e3 * r['median']:.1f} ms ({1e3 * r['min']:.1f}-{1e3 * r['max']:.1f})"
+    if status != 0:
+        fail(f"--report=loop: train.py stopped with status {status}")
+    return [float(ms) / 1e3 for ms in re.findall(r'^iter \d+: .*?time ([\d.]+)ms', out.getvalue(), flags=re.M)]
+
+def loop_ratio(cfg, device, ctx):
+    """train.py's step (its whole loop: data, learning rate, clipping, logging) against a bare loop
+    of the same standard model, eager, in this process: rounds of 30 steps of each in turn, the
+    ratio of their medians per round. train.py logs every step here (by default every 10th), so
+    its time is an upper bound; the first 2 steps of each run (the first eval) are not counted."""
+    iters = 30
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, 'random'))
+        tokens = np.random.default_rng(0).integers(cfg['vocab_size'], size=100_000).astype(np.uint16)
+        for split in ('train', 'val'):
+            tokens.tofile(os.path.join(tmp, 'random', f'{split}.bin'))
+        with open(os.path.join(tmp, 'random', 'meta.pkl'), 'wb') as f:
+            pickle.dump(dict(vocab_size=cfg['vocab_size']), f)
+        args = [f'--{k}={cfg[k]}' for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'bias', 'dtype')] + [
+            f'--data_dir={tmp}', '--dataset=random', '--residual=standard', '--compile=False', f'--device={device}',
+            f'--max_iters={iters}', f'--eval_interval={iters}', '--eval_iters=1', '--log_interval=1',
+            f'--out_dir={os.path.join(tmp, "out")}', '--overwrite=True']
+        torch.manual_seed(0)
+        model = GPT(model_config(cfg, 'standard')).to(device)
+        with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
+            optimizer = model.configure_optimizers(TRAIN_DEFAULTS['weight_decay'], TRAIN_DEFAULTS['learning_rate'],
+                                                   (TRAIN_DEFAULTS['beta1'], TRAIN_DEFAULTS['beta2']), device.split(':')[0])
+        g = torch.Generator().manual_seed(0)
+        batches = torch.randint(cfg['vocab_size'], (8, 2, cfg['batch_size'], cfg['block_size']), generator=g).to(device)
+        train_py_loop(args), bare_loop(model, optimizer, batches, ctx, device, iters) # warm-up
+        rounds = [(train_py_loop(args)[2:], bare_loop(model, optimizer, batches, ctx, device, iters)[2:])
+                  for _ in range(cfg['rounds'])]
+    train_s, bare_s = [statistics.median(a) for a, _ in rounds], [statistics.median(b) for _, b in rounds]
+    res = dict(ratio=summary([a / b for a, b in zip(train_s, bare_s)]), train_py_s=summary(train_s), bare_s=summary(bare_s))
     print(f"# train.py's step against a bare loop: standard, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} "
-          f"block_size={t} batch_size={cfg['batch_size']}, eager, {cfg['rounds']} rounds of {iters} steps")
-    print(f"train.py {ms(res['train_py_s'])}, bare loop {ms(res['bare_s'])}, ratio {res['ratio']['median']:.3f} "
-          f"({res['ratio']['min']:.3f}-{res['ratio']['max']:.3f})")
+          f"block_size={cfg['block_size']} batch_size={cfg['batch_size']}, eager, {cfg['rounds']} rounds of {iters} steps")
+    print(f"train.py {1e3 * res['train_py_s']['median']:.1f} ms, bare loop {1e3 * res['bare_s']['median']:.1f} ms, "
+          f"ratio {res['ratio']['median']:.3f} ({res['ratio']['min']:.3f}-{res['ratio']['max']:.3f} over the rounds)")
     return res
 
 def summary(xs):
@@ -252,7 +270,7 @@ def main(argv):
     names = list(PATHS) if cfg['paths'] == 'all' else cfg['paths'].split(',')
     for name in names:
         if name not in PATHS:
-            fail(f"--paths: unknown path {name}; one of {', '.join(PATHS)}")
+            fail(f"--paths: unknown path {name}; one of {', '.join(PATHS)}, or all")
     if 'standard' not in names:
         names.insert(0, 'standard')
     if cfg['moe']:
@@ -280,7 +298,7 @@ def main(argv):
             times[row]['train'].append(timed(runner.train_step, device))
             times[row]['prefill'].append(timed(runner.prefill, device))
             times[row]['decode'].append(runner.decode())
-    memory = {}
+    memory, saved = {}, {row: runner.saved_mb() for row, runner in runners.items()}
     for row, runner in runners.items():
         if 'cuda' in device:
             torch.cuda.reset_peak_memory_stats()
@@ -301,6 +319,7 @@ def main(argv):
             res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], std[k]))
         res['decode_s_per_token'] = summary(t['decode'])
         res['memory_ratio'] = memory[(n, mode)] / memory[('standard', mode)] if (n, mode) in memory else None
+        res['saved_mb'], res['saved_ratio'] = saved[(n, mode)], saved[(n, mode)] / saved[('standard', mode)]
         if 'cuda' in device:
             res['mfu'] = runner.model.estimate_mfu(cfg['batch_size'], statistics.median(t['train']))
         results[f'{n} {mode}'] = res
@@ -308,19 +327,21 @@ def main(argv):
     where = torch.cuda.get_device_name() if 'cuda' in device else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench: {where}, {dtype}, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
           f"batch_size={cfg['batch_size']}, {cfg['warmup']} warm-up + {cfg['rounds']} interleaved rounds; x std = vs standard in the same mode")
-    print("memory: " + ("CUDA max_memory_allocated during a training step" if 'cuda' in device else
-                        "CPU peak RSS of a fresh eager process per path over 3 training steps, minus its RSS after imports"))
+    print("peak: " + ("CUDA max_memory_allocated during a training step" if 'cuda' in device else
+                      "CPU peak RSS of a fresh eager process per path over 3 training steps, minus its RSS after imports")
+          + "; saved: what a training forward saves for backward, parameters excluded")
     mfu = 'cuda' in device
     print('| path | mode | params (active) | warm-up s | train ms/step (min-max) | train tok/s | x std | prefill tok/s | x std | '
-          'decode ms/token | x std | peak MB | x std |' + (' MFU |' if mfu else ''))
-    print('|---' * (13 + mfu) + '|')
+          'decode ms/token | x std | peak MB | x std | saved MB | x std |' + (' MFU |' if mfu else ''))
+    print('|---' * (15 + mfu) + '|')
     num = lambda x, f: '-' if x is None else format(x, f)
     for r in results.values():
         tr, dec = r['train_s'], r['decode_s_per_token']
         print(f"| {r['path']} | {r['mode']} | {r['params']:,} ({r['active_params']:,}) | {r['warmup_s']:.0f} "
               f"| {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) | {r['train_tok_s']:,.0f} | {r['train_ratio']:.2f} "
               f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} "
-              f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} |" + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
+              f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} | {r['saved_mb']:.1f} | {r['saved_ratio']:.2f} |"
+              + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
     if cfg['json_out']:
         with open(cfg['json_out'], 'w') as f:
             json.dump(dict(device=where, dtype=dtype, config=cfg, results=results), f, indent=1)

@@ -1339,6 +1339,7 @@ def test_bench_rows_per_path_and_mode(tmp_path):
     assert list(results) == ['standard eager', 'dar-block eager']
     assert results['standard eager']['train_ratio'] == 1.0
     assert results['dar-block eager']['decode_ratio'] > 0 and results['dar-block eager']['peak_memory_mb'] > 0
+    assert results['dar-block eager']['saved_ratio'] > 1 # two streams' histories are kept for backward
     p = run(['--modes=fast'], tmp_path, module='bench.py', check=False)
     assert p.returncode == 1 and last_line(p.stderr) == 'error: --modes: unknown mode fast; compiled and / or eager'
     p = run(['--block_size=16', '--decode_tokens=9'], tmp_path, module='bench.py', check=False)
@@ -1352,7 +1353,7 @@ def test_bench_times_train_py_against_a_bare_loop(tmp_path):
              '--rounds=2', f'--json_out={out}'], tmp_path, module='bench.py')
     loop = json.loads(out.read_text())['loop']
     assert loop['train_py_s']['median'] > 0 and loop['bare_s']['median'] > 0 and loop['ratio']['min'] > 0
-    assert re.search(r"^train\.py [\d.]+ ms .*, bare loop [\d.]+ ms .*, ratio [\d.]+ ", p.stdout, flags=re.M)
+    assert re.search(r"^train\.py [\d.]+ ms, bare loop [\d.]+ ms, ratio [\d.]+ \(", p.stdout, flags=re.M)
     assert os.listdir(tmp_path) == ['loop.json'] # its token files and checkpoints were temporary
     p = run(['--report=speed'], tmp_path, module='bench.py', check=False)
     assert p.returncode == 1 and last_line(p.stderr) == 'error: --report: unknown report speed; paths or loop'

@@ -524,7 +524,7 @@ def main(argv):
         # clip the gradient
         if cfg['grad_clip'] != 0.0:
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'], foreach=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         # step the optimizer and scaler if training in fp16
         scaler.step(optimizer)
         scaler.update()
