@@ -21,7 +21,6 @@ import os
 import re
 import sys
 import json
-import pickle
 import signal
 import tempfile
 import contextlib
@@ -36,7 +35,7 @@ import torch._dynamo
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
 from train import autocast, check, configure, count, resolve_device, main as train_main, DEFAULTS as TRAIN_DEFAULTS
-from prepare_data import fail
+from prepare_data import fail, write_pickle, write_tokens
 
 # -----------------------------------------------------------------------------
 # the train.py default model, on random tokens
@@ -217,11 +216,10 @@ def loop_ratio(cfg, device, ctx):
     iters = 30
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, 'random'))
-        tokens = np.random.default_rng(0).integers(cfg['vocab_size'], size=100_000).astype(np.uint16)
+        tokens = np.random.default_rng(0).integers(cfg['vocab_size'], size=100_000)
         for split in ('train', 'val'):
-            tokens.tofile(os.path.join(tmp, 'random', f'{split}.bin'))
-        with open(os.path.join(tmp, 'random', 'meta.pkl'), 'wb') as f:
-            pickle.dump(dict(vocab_size=cfg['vocab_size']), f)
+            write_tokens(os.path.join(tmp, 'random', f'{split}.bin'), tokens)
+        write_pickle(os.path.join(tmp, 'random', 'meta.pkl'), dict(vocab_size=cfg['vocab_size']))
         args = [f'--{k}={cfg[k]}' for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'bias', 'dtype')] + [
             f'--data_dir={tmp}', '--dataset=random', '--residual=standard', '--compile=False', f'--device={device}',
             f'--max_iters={iters}', f'--eval_interval={iters}', '--eval_iters=1', '--log_interval=1',
