@@ -179,14 +179,17 @@ def cpu_peak_memory(name, argv):
         fail(f"memory probe of {name} failed: {p.stderr.strip().splitlines()[-1]}")
     return float(p.stdout.strip().splitlines()[-1])
 
-def bare_loop(model, optimizer, batches, ctx, device, iters):
-    """Seconds per step of a bare loop: forward, backward, AdamW step, on pre-made batches."""
+def bare_loop(model, optimizer, batches, ctx, device, iters, clip=0.0):
+    """Seconds per step of a bare loop: forward, backward, AdamW step, on pre-made batches; with
+    clip > 0 it clips the gradient norm first, as train.py does."""
     dts, t0 = [], time.perf_counter()
     for i in range(iters):
         x, y = batches[i % len(batches)]
         with ctx:
             _, loss = model(x, y)
         loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -211,8 +214,10 @@ def train_py_loop(args):
 def loop_ratio(cfg, device, ctx):
     """train.py's step (its whole loop: data, learning rate, clipping, logging) against a bare loop
     of the same standard model, eager, in this process: rounds of 30 steps of each in turn, the
-    ratio of their medians per round. train.py logs every step here (by default every 10th), so
-    its time is an upper bound; the first 2 steps of each run (the first eval) are not counted."""
+    ratio of their medians per round; also against a bare loop that clips the gradient norm as
+    train.py does, so that the rest is the loop's own cost. train.py logs every step here (by
+    default every 10th), so its time is an upper bound; the first 2 steps of each run (the first
+    eval) are not counted."""
     iters = 30
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, 'random'))
@@ -231,15 +236,20 @@ def loop_ratio(cfg, device, ctx):
                                                    (TRAIN_DEFAULTS['beta1'], TRAIN_DEFAULTS['beta2']), device.split(':')[0])
         g = torch.Generator().manual_seed(0)
         batches = torch.randint(cfg['vocab_size'], (8, 2, cfg['batch_size'], cfg['block_size']), generator=g).to(device)
-        train_py_loop(args), bare_loop(model, optimizer, batches, ctx, device, iters) # warm-up
-        rounds = [(train_py_loop(args)[2:], bare_loop(model, optimizer, batches, ctx, device, iters)[2:])
-                  for _ in range(cfg['rounds'])]
-    train_s, bare_s = [statistics.median(a) for a, _ in rounds], [statistics.median(b) for _, b in rounds]
-    res = dict(ratio=summary([a / b for a, b in zip(train_s, bare_s)]), train_py_s=summary(train_s), bare_s=summary(bare_s))
+        clip = TRAIN_DEFAULTS['grad_clip']
+        loops = lambda: (train_py_loop(args)[2:], bare_loop(model, optimizer, batches, ctx, device, iters)[2:],
+                         bare_loop(model, optimizer, batches, ctx, device, iters, clip)[2:])
+        loops() # warm-up
+        rounds = [[statistics.median(dts) for dts in loops()] for _ in range(cfg['rounds'])]
+    train_s, bare_s, clipped_s = zip(*rounds)
+    res = dict(ratio=summary([a / b for a, b in zip(train_s, bare_s)]), train_py_s=summary(train_s), bare_s=summary(bare_s),
+               ratio_clipped=summary([a / c for a, c in zip(train_s, clipped_s)]), bare_clipped_s=summary(clipped_s))
     print(f"# train.py's step against a bare loop: standard, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} "
           f"block_size={cfg['block_size']} batch_size={cfg['batch_size']}, eager, {cfg['rounds']} rounds of {iters} steps")
     print(f"train.py {1e3 * res['train_py_s']['median']:.1f} ms, bare loop {1e3 * res['bare_s']['median']:.1f} ms, "
           f"ratio {res['ratio']['median']:.3f} ({res['ratio']['min']:.3f}-{res['ratio']['max']:.3f} over the rounds)")
+    print(f"bare loop with gradient clipping at {clip} as train.py: {1e3 * res['bare_clipped_s']['median']:.1f} ms, "
+          f"ratio {res['ratio_clipped']['median']:.3f} ({res['ratio_clipped']['min']:.3f}-{res['ratio_clipped']['max']:.3f})")
     return res
 
 def summary(xs):

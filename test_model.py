@@ -675,10 +675,20 @@ def workdir(tmp_path_factory):
     return d
 
 SMALL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=4',
-         '--eval_iters=2', '--log_interval=1', '--warmup_iters=2', '--lr_decay_iters=12', '--device=cpu']
+         '--eval_iters=2', '--log_interval=1', '--warmup_iters=2', '--lr_decay_iters=12', '--device=cpu', '--compile=False']
 
 def losses(stdout):
     return [line.split(',')[0] for line in stdout.splitlines() if line.startswith('iter ')]
+
+@pytest.mark.slow
+def test_compile_default_on_cpu_is_on_for_dar_only(workdir):
+    """compile=None compiles on CPU where that was measured faster end to end: dense DAR; the
+    standard path, and DAR with the fp32 MoE (graph breaks), run eager."""
+    auto = [a for a in SMALL if a != '--compile=False'] + ['--max_iters=2', '--eval_interval=2']
+    for extra, compiled in (([], True), (['--residual=standard'], False), (['--n_expert=2'], False)):
+        p = run(auto + ['--out_dir=auto', '--overwrite=True'] + extra, workdir)
+        assert ('compiling the model' in p.stdout) == compiled, extra
+        assert 'done: 2 iterations' in p.stdout
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted_run(workdir):
@@ -1354,6 +1364,8 @@ def test_bench_times_train_py_against_a_bare_loop(tmp_path):
     loop = json.loads(out.read_text())['loop']
     assert loop['train_py_s']['median'] > 0 and loop['bare_s']['median'] > 0 and loop['ratio']['min'] > 0
     assert re.search(r"^train\.py [\d.]+ ms, bare loop [\d.]+ ms, ratio [\d.]+ \(", p.stdout, flags=re.M)
+    assert re.search(r"^bare loop with gradient clipping at 1.0 as train.py: [\d.]+ ms, ratio [\d.]+ \(", p.stdout, flags=re.M)
+    assert loop['ratio_clipped']['min'] > 0
     assert os.listdir(tmp_path) == ['loop.json'] # its token files and checkpoints were temporary
     p = run(['--report=speed'], tmp_path, module='bench.py', check=False)
     assert p.returncode == 1 and last_line(p.stderr) == 'error: --report: unknown report speed; paths or loop'

@@ -14,4 +14,4 @@ eval_interval = 100 # the val-loss curve: 9 points
 eval_iters = 20 # the same 20 batches at every eval
 log_interval = 50
 device = 'cpu'
-compile = False # eager: on 2 CPU cores compiling costs ~3 min per run, more than it saves in 800 steps
+compile = False # eager: one Block DAR run, 2 CPU cores: 232 s eager, 293 s compiled from a cold cache, 132 s warm
