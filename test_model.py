@@ -984,6 +984,68 @@ def test_sweep_resumes_and_records_curves(workdir):
     vals = [r['val'] for r in full['dar-block']], [r['val'] for r in full['standard']]
     assert float(dar[3]) == pytest.approx(sweep_module.welch(*vals), abs=1e-3)
 
+@pytest.mark.slow
+def test_sweep_jobs_and_config_list(workdir):
+    """--jobs=2 trains two runs at once to the curves of one at a time; config files given as a list
+    apply in order (the second changes the depth), and each result records its n_layer."""
+    (workdir / 'deeper.py').write_text('n_layer = 3\n')
+    def sweep(out, jobs, config):
+        small = [a for a in SMALL if not a.startswith('--n_layer=')] # the config files set it
+        return run([f'--jobs={jobs}', f'--config={config}', '--seeds=1', '--variants=standard,dar-block', f'--out={out}',
+                    '--', *small, '--max_iters=4', '--eval_interval=2'], workdir, module='sweep.py')
+    (workdir / 'base.py').write_text('n_layer = 2\n')
+    sweep('sw-serial', 1, 'base.py,deeper.py')
+    sweep('sw-jobs', 2, 'base.py,deeper.py')
+    serial, jobs = (json.loads((workdir / d / 'results.json').read_text()) for d in ('sw-serial', 'sw-jobs'))
+    for v in ('standard', 'dar-block'):
+        assert serial[v][0]['n_layer'] == jobs[v][0]['n_layer'] == 3
+        assert np.allclose([l for _, l in jobs[v][0]['curve']], [l for _, l in serial[v][0]['curve']], atol=1e-4)
+
+def write_sweep(folder, n_layer, vals, curve_steps=(0, 2, 4, 6, 8)):
+    """A finished sweep's results.json: vals[variant] = final val loss per seed; each curve falls by
+    0.1 per eval to it."""
+    folder.mkdir()
+    results = {v: [dict(seed=1337 + i, val=x, ms=1.0, n_layer=n_layer,
+                        curve=[(it, x + 0.1 * (len(curve_steps) - 1 - k)) for k, it in enumerate(curve_steps)])
+                   for i, x in enumerate(xs)] for v, xs in vals.items()}
+    (folder / 'results.json').write_text(json.dumps(results))
+
+def test_sweep_scan_tables_the_gap_against_depth(tmp_path, capsys):
+    """--scan orders the sweeps by depth and gives each variant's difference from standard, its
+    Welch p-value, the last quarter's drop and the DAR comparisons, from the sweeps' results."""
+    deep = {'standard': [2.0, 2.1, 2.2], 'dar-block': [1.9, 2.0, 2.0], 'dar-self': [2.0, 2.0, 2.1]}
+    shallow = {'standard': [2.0, 2.0, 2.1], 'dar-block': [2.0, 2.1, 2.1], 'dar-self': [2.1, 2.1, 2.2]}
+    write_sweep(tmp_path / 'd48', 48, deep)
+    write_sweep(tmp_path / 'd12', 12, shallow)
+    sweep_module.scan([str(tmp_path / 'd48'), str(tmp_path / 'd12')], str(tmp_path / 'scan'))
+    rows = [l.split(' | ') for l in (tmp_path / 'scan' / 'scan.md').read_text().splitlines() if l.startswith('| 12 ') or l.startswith('| 48 ')]
+    assert [(r[0], r[1]) for r in rows[:6]] == [('| 12', v) for v in shallow] + [('| 48', v) for v in deep]
+    dar48 = rows[4]
+    assert dar48[3] == f"{100 * (np.mean(deep['dar-block']) / np.mean(deep['standard']) - 1):+.2f}%"
+    assert float(dar48[4]) == pytest.approx(sweep_module.welch(deep['dar-block'], deep['standard']), abs=1e-3)
+    assert dar48[5] == '0.1000 |' # eval at step 6 (>= 3/4 of 8) minus the last
+    pair = [r for r in rows[6:] if r[0] == '| 48' and r[1] == 'dar-block vs dar-self'][0]
+    assert float(pair[3].rstrip(' |')) == pytest.approx(sweep_module.welch(deep['dar-block'], deep['dar-self']), abs=1e-3)
+    try:
+        import matplotlib # noqa: F401
+        assert (tmp_path / 'scan' / 'scan.png').exists()
+    except ImportError:
+        assert 'pip install matplotlib' in capsys.readouterr().out
+
+def test_sweep_bad_inputs_fail_with_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / 'base.py').write_text('n_layer = 2\n')
+    write_sweep(tmp_path / 'old', 12, {'dar-block': [2.0]})
+    monkeypatch.chdir(tmp_path)
+    cases = [(['--jobs=0'], "error: --jobs=0 is out of range: an integer from 1 to the"),
+             (['--config=base.py,nope.py'], "error: --config=base.py,nope.py: no such file nope.py"),
+             (['--scan=none,old'], "error: --scan: no none/results.json; run that sweep to its end first"),
+             (['--scan=old'], "error: --scan: old/results.json has no standard runs with their n_layer")]
+    for args, message in cases:
+        monkeypatch.setattr(sys, 'argv', ['sweep.py', *args])
+        with pytest.raises(SystemExit) as e:
+            sweep_module.main()
+        assert str(e.value.code).startswith(message), (args, e.value.code)
+
 def test_welch_p_values():
     # two-sided Welch p-values; references from I_x(df/2, 1/2) by mpmath.betainc, an independent incomplete beta
     assert sweep_module.welch([1, 2, 3], [4, 5, 6]) == pytest.approx(0.021311641, abs=1e-6)
