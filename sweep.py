@@ -92,6 +92,20 @@ def welch(a, b):
 def pvalue(p):
     return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
+def comparisons(vals):
+    """The PAIRS that vals (variant -> final val losses) can test: both present, with seeds."""
+    return [(a, b) for a, b in PAIRS if a in vals and b in vals and len(vals[a]) > 1 and len(vals[b]) > 1]
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
 def tables(results):
     """The results table (mean +- std, vs standard with Welch p) and the DAR comparisons."""
     vals = {v: [r['val'] for r in rs] for v, rs in results.items()}
@@ -107,7 +121,7 @@ def tables(results):
             rel, ratio = f"{100 * (mean[v] / mean[ref] - 1):+.2f}%", f"{ms[v] / ms[ref]:.2f}x"
             p = pvalue(welch(x, vals[ref])) if v != ref and len(x) > 1 and len(vals[ref]) > 1 else ''
         rows.append(f"| {v} | {mean[v]:.4f} +- {std:.4f} | {rel} | {p} | {ms[v]:.1f} | {ratio} |")
-    pairs = [(a, b) for a, b in PAIRS if a in vals and b in vals and len(vals[a]) > 1 and len(vals[b]) > 1]
+    pairs = comparisons(vals)
     if pairs:
         rows += ['', '| comparison | difference in val loss | p (Welch) |', '|---|---|---|']
         rows += [f"| {a} vs {b} | {mean[a] - mean[b]:+.4f} ({100 * (mean[a] / mean[b] - 1):+.2f}%) | {pvalue(welch(vals[a], vals[b]))} |" for a, b in pairs]
@@ -115,11 +129,8 @@ def tables(results):
 
 def plot_curves(results, path):
     """Val loss against step, mean over seeds with a +-1 std band: all steps, and zoomed on the second half."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     lows, highs = [], []
@@ -163,22 +174,22 @@ def scan(folders, out):
         sweeps[results['standard'][0]['n_layer']] = results
     rows = ['| depth | variant | val loss (mean +- std) | vs standard | p (Welch, vs standard) | last-quarter drop |',
             '|---|---|---|---|---|---|']
-    pairs, gaps = [], {} # gaps[variant]: (depth, mean difference %, each seed's difference %)
+    pairs, gaps = [], {} # gaps[variant]: (depth, each seed's difference from standard's mean, %)
     for depth, results in sorted(sweeps.items()):
         vals = {v: [r['val'] for r in rs] for v, rs in results.items()}
-        ref = statistics.mean(vals['standard'])
+        mean = {v: statistics.mean(x) for v, x in vals.items()}
         for v, rs in results.items():
             x = vals[v]
             std = statistics.stdev(x) if len(x) > 1 else 0.0
             p = pvalue(welch(x, vals['standard'])) if v != 'standard' and len(x) > 1 and len(vals['standard']) > 1 else ''
             # the curve's last quarter: val loss at the first eval from 3/4 of the run, minus the last
             drop = statistics.mean(next(val for it, val in r['curve'] if it >= 0.75 * r['curve'][-1][0]) - r['val'] for r in rs)
-            rows.append(f"| {depth} | {v} | {statistics.mean(x):.4f} +- {std:.4f} | {100 * (statistics.mean(x) / ref - 1):+.2f}% | {p} | {drop:.4f} |")
-            gaps.setdefault(v, []).append((depth, 100 * (statistics.mean(x) / ref - 1), [100 * (xi / ref - 1) for xi in x]))
-        pairs += [(depth, a, b, vals[a], vals[b]) for a, b in PAIRS if a in vals and b in vals and len(vals[a]) > 1 and len(vals[b]) > 1]
+            rows.append(f"| {depth} | {v} | {mean[v]:.4f} +- {std:.4f} | {100 * (mean[v] / mean['standard'] - 1):+.2f}% | {p} | {drop:.4f} |")
+            gaps.setdefault(v, []).append((depth, [100 * (xi / mean['standard'] - 1) for xi in x]))
+        pairs += [(depth, a, b, mean[a], mean[b], welch(vals[a], vals[b])) for a, b in comparisons(vals)]
     if pairs:
         rows += ['', '| depth | comparison | difference in val loss | p (Welch) |', '|---|---|---|---|']
-        rows += [f"| {d} | {a} vs {b} | {statistics.mean(x) - statistics.mean(y):+.4f} ({100 * (statistics.mean(x) / statistics.mean(y) - 1):+.2f}%) | {pvalue(welch(x, y))} |" for d, a, b, x, y in pairs]
+        rows += [f"| {d} | {a} vs {b} | {ma - mb:+.4f} ({100 * (ma / mb - 1):+.2f}%) | {pvalue(p)} |" for d, a, b, ma, mb, p in pairs]
     table = '\n'.join(rows)
     print(table)
     os.makedirs(out, exist_ok=True)
@@ -189,24 +200,21 @@ def scan(folders, out):
 
 def plot_scan(gaps, path):
     """Val-loss difference from standard against depth: each variant's mean, and every seed as a dot."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.axhline(0.0, color='gray', lw=1)
     variants = [v for v in gaps if v != 'standard']
     for i, v in enumerate(variants):
         shift = 2 ** (0.03 * (i - (len(variants) - 1) / 2)) # each variant a little aside, so seeds don't overlap
-        depths = [d * shift for d, _, _ in gaps[v]]
-        line, = ax.plot(depths, [m for _, m, _ in gaps[v]], marker='o', label=v)
-        for d, _, seeds in gaps[v]:
+        depths = [d * shift for d, _ in gaps[v]]
+        line, = ax.plot(depths, [statistics.mean(seeds) for _, seeds in gaps[v]], marker='o', label=v)
+        for d, seeds in gaps[v]:
             ax.scatter([d * shift] * len(seeds), seeds, color=line.get_color(), s=10, alpha=0.5)
     ax.set_xscale('log', base=2)
-    ax.set_xticks(sorted({d for points in gaps.values() for d, _, _ in points}))
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xticks(sorted({d for points in gaps.values() for d, _ in points}))
+    ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel('layers (about equal non-embedding parameters)')
     ax.set_ylabel('val loss vs standard residual (%)')
     ax.set_title('val loss vs the standard residual (line: mean over seeds, dots: seeds)')
