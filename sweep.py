@@ -92,6 +92,10 @@ def welch(a, b):
 def pvalue(p):
     return f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
+def p_cell(vals, v, ref):
+    """Welch p of variant v against ref as a table cell: '' for ref itself or without two seeds each."""
+    return pvalue(welch(vals[v], vals[ref])) if v != ref and len(vals[v]) > 1 and len(vals[ref]) > 1 else ''
+
 def comparisons(vals):
     """The PAIRS that vals (variant -> final val losses) can test: both present, with seeds."""
     return [(a, b) for a, b in PAIRS if a in vals and b in vals and len(vals[a]) > 1 and len(vals[b]) > 1]
@@ -119,7 +123,7 @@ def tables(results):
         rel = p = ratio = ''
         if ref:
             rel, ratio = f"{100 * (mean[v] / mean[ref] - 1):+.2f}%", f"{ms[v] / ms[ref]:.2f}x"
-            p = pvalue(welch(x, vals[ref])) if v != ref and len(x) > 1 and len(vals[ref]) > 1 else ''
+            p = p_cell(vals, v, ref)
         rows.append(f"| {v} | {mean[v]:.4f} +- {std:.4f} | {rel} | {p} | {ms[v]:.1f} | {ratio} |")
     pairs = comparisons(vals)
     if pairs:
@@ -181,7 +185,7 @@ def scan(folders, out):
         for v, rs in results.items():
             x = vals[v]
             std = statistics.stdev(x) if len(x) > 1 else 0.0
-            p = pvalue(welch(x, vals['standard'])) if v != 'standard' and len(x) > 1 and len(vals['standard']) > 1 else ''
+            p = p_cell(vals, v, 'standard')
             # the curve's last quarter: val loss at the first eval from 3/4 of the run, minus the last
             drop = statistics.mean(next(val for it, val in r['curve'] if it >= 0.75 * r['curve'][-1][0]) - r['val'] for r in rs)
             rows.append(f"| {depth} | {v} | {mean[v]:.4f} +- {std:.4f} | {100 * (mean[v] / mean['standard'] - 1):+.2f}% | {p} | {drop:.4f} |")

@@ -988,12 +988,12 @@ def test_sweep_resumes_and_records_curves(workdir):
 def test_sweep_jobs_and_config_list(workdir):
     """--jobs=2 trains two runs at once to the curves of one at a time; config files given as a list
     apply in order (the second changes the depth), and each result records its n_layer."""
+    (workdir / 'base.py').write_text('n_layer = 2\n')
     (workdir / 'deeper.py').write_text('n_layer = 3\n')
     def sweep(out, jobs, config):
         small = [a for a in SMALL if not a.startswith('--n_layer=')] # the config files set it
         return run([f'--jobs={jobs}', f'--config={config}', '--seeds=1', '--variants=standard,dar-block', f'--out={out}',
                     '--', *small, '--max_iters=4', '--eval_interval=2'], workdir, module='sweep.py')
-    (workdir / 'base.py').write_text('n_layer = 2\n')
     sweep('sw-serial', 1, 'base.py,deeper.py')
     sweep('sw-jobs', 2, 'base.py,deeper.py')
     serial, jobs = (json.loads((workdir / d / 'results.json').read_text()) for d in ('sw-serial', 'sw-jobs'))
