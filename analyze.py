@@ -57,7 +57,7 @@ def val_batches(cfg, config, block_size):
 
 class Probe:
     """analyze.py's view into a forward, through GPT.forward(probe=): called at every read of
-    GPT.read with (l, s, h, a), the sublayer (L = the final read), the state, the streams' reads
+    GPT.read_and_fuse with (l, s, h, a), the sublayer (L = the final read), the state, the streams' reads
     and their weights. Records the weights of every read and the streams' histories; with ablate
     = {stream j: None} replaces j's read by its mean over the batch at each position (a mean
     ablation: a zero read would only rescale the pre-normed branch input), with {j: k} by stream

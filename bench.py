@@ -10,7 +10,7 @@ $ python bench.py --report=loop              # train.py's step against a bare lo
 
 Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
 training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
-(compiled rows: the prefill and the one-token step each compiled once, as sample.py compiles them),
+(compiled rows: the one-token step compiled once, as sample.py compiles it; the prefill before it runs eager),
 peak memory, the tensors saved for backward, parameters, the warm-up time
 (which holds the compilation), and MFU on CUDA. After the warm-up all rows run interleaved
 (A B C A B C ...), so drift hits all alike; each ratio to standard in the same mode is taken
@@ -114,11 +114,11 @@ class Runner:
 
     @torch.no_grad()
     def decode(self):
-        """Seconds per decoded token after a prefill (the prefill is not timed), greedy, with the
-        static KV cache."""
+        """Seconds per decoded token after a prefill (eager: it is not timed, and compiling it
+        would only lengthen the bench), greedy, with the static KV cache."""
         with self.ctx:
             cache = KVCache(self.model, 1, self.prompt.device)
-            logits, _ = self.gen(self.prompt, cache=cache)
+            logits, _ = self.model(self.prompt, cache=cache)
             sync(self.device)
             t0 = time.perf_counter()
             for _ in range(self.decode_tokens):
@@ -127,18 +127,22 @@ class Runner:
         return (time.perf_counter() - t0) / self.decode_tokens
 
     def saved_mb(self):
-        """MB of the tensors one training forward saves for backward (compiled: what the
-        forward/backward partition hands to backward), each storage once, parameters excluded
-        (under autocast their low-precision copies count)."""
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        saved = {}
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.ctx:
-            self.fwd(self.x, self.y)
-        return sum(saved.values()) / 2**20
+        with self.ctx:
+            return saved_mb(self.model, lambda: self.fwd(self.x, self.y))
+
+def saved_mb(model, forward):
+    """MB of the tensors forward() saves for backward (compiled: what the forward/backward
+    partition hands to backward), each storage once, model's parameters excluded (under autocast
+    their low-precision copies count)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values()) / 2**20
 
 def sync(device):
     if 'cuda' in device:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import model as model_module
 from model import GPT, GPTConfig, KVCache, sinkhorn
 from sample import compile_for_generation
+from bench import saved_mb
 import train
 import sample
 import analyze
@@ -378,6 +379,41 @@ def test_gradient_reaches_every_parameter(name):
     loss.backward()
     for n, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{n} gets no gradient"
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['attnres-full', 'attnres-block', 'dar-cross-full', 'dar-cross-block', 'dar-sepv-block'])
+def test_compiled_depth_reads_are_recomputed_with_eager_gradients(name):
+    """Compiled, each depth read is recomputed in backward (the state it read is changed by later
+    writes, so the recompute must not read it again): the eager loss and gradients."""
+    model = make(name)
+    model.train()
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend='aot_eager_decomp_partition')
+    grads, losses = [], []
+    for forward in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        _, loss = forward(idx, idx)
+        loss.backward()
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
+
+@pytest.mark.slow
+def test_compiled_block_dar_keeps_at_most_1_25x_the_standard_residuals_activations():
+    """Issue #21's target, at the train.py default model (bench.py's), partitioned into forward and
+    backward as inductor does it."""
+    idx = torch.randint(0, 65, (12, 64), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    mb = {}
+    for name, kw in (('standard', {}), ('dar-block', dict(residual='dar', depth_block=2))):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, bias=False, **kw))
+        compiled = torch.compile(model, fullgraph=True, backend='aot_eager_decomp_partition')
+        mb[name] = saved_mb(model, lambda: compiled(idx, idx))
+    assert mb['dar-block'] <= 1.25 * mb['standard']
 
 @pytest.mark.parametrize('name', PATHS)
 def test_loss_at_init_is_about_ln_vocab(name):
