@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 RESIDUALS = ('standard', 'attnres', 'mhc', 'dar')
 
@@ -237,6 +237,12 @@ class DepthState:
             rms_H.append(rms(p))
         self.P = None
         return self
+
+    def snapshot(self):
+        """This state as it is now, untouched by later writes (which append to H and rebind P)."""
+        s = DepthState.__new__(DepthState)
+        s.H, s.rms_H, s.P = [list(H) for H in self.H], [list(r) for r in self.rms_H], self.P
+        return s
 
     def candidates(self, include_partial):
         """The candidates C^j of every stream j, and their rms: H^j, plus P^j if it is one."""
@@ -506,13 +512,13 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def read(self, s, l, probe=None):
-        """read_and_fuse; compiled, a depth read (AttnRes, DAR) is recomputed in backward."""
-        training_compiled = torch.compiler.is_compiling() and torch.is_grad_enabled()
-        if training_compiled and isinstance(s, DepthState) and probe is None:
-            # its temporaries (each stream's h, the scores) are recomputed rather than kept: the
-            # history it reads is kept anyway, and recomputing costs 1-4% of the compiled step
-            # against 24-29% of the eager one (docs/bench.md)
-            return checkpoint(self.read_and_fuse, s, l, use_reentrant=False)
+        """x_l from read_and_fuse. Compiled with gradients on, a depth read (AttnRes, DAR) is
+        recomputed in backward rather than kept: the history it reads is kept anyway, and its
+        temporaries (each stream's h, the scores) cost 1-4% of the compiled step to recompute,
+        24-29% of the eager step, where they are kept (docs/bench.md). A probe's reads are kept."""
+        if torch.compiler.is_compiling() and torch.is_grad_enabled() and isinstance(s, DepthState) and probe is None:
+            # the recompute reads a snapshot: later writes change s
+            return torch.utils.checkpoint.checkpoint(self.read_and_fuse, s.snapshot(), l, use_reentrant=False)
         return self.read_and_fuse(s, l, probe)
 
     def read_and_fuse(self, s, l, probe=None):

@@ -401,6 +401,22 @@ def test_compiled_depth_reads_are_recomputed_with_eager_gradients(name):
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
 
+@pytest.mark.parametrize('name', ['attnres-block', 'dar-cross-full', 'dar-cross-block'])
+def test_a_recomputed_depth_read_run_eagerly_reads_its_snapshot(name, monkeypatch):
+    """Should a compiled read ever run eagerly (a graph break in it), its recompute in backward must
+    read the state as it was, not as later writes left it: the checkpoint, forced here in eager,
+    gives the gradients of the kept reads."""
+    model = make(name)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for recompute in (False, True):
+        monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: recompute)
+        model.zero_grad(set_to_none=True)
+        model(idx, idx)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=n)
+
 @pytest.mark.slow
 def test_compiled_block_dar_keeps_at_most_1_25x_the_standard_residuals_activations():
     """Issue #21's target, at the train.py default model (bench.py's), partitioned into forward and
