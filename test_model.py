@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import model as model_module
 from model import GPT, GPTConfig, KVCache, sinkhorn
 from sample import compile_for_generation
+import bench
 from bench import saved_mb
 import train
 import sample
@@ -424,9 +425,9 @@ def test_compiled_block_dar_keeps_at_most_1_25x_the_standard_residuals_activatio
     idx = torch.randint(0, 65, (12, 64), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     mb = {}
-    for name, kw in (('standard', {}), ('dar-block', dict(residual='dar', depth_block=2))):
+    for name in ('standard', 'dar-block'):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65, bias=False, **kw))
+        model = GPT(bench.model_config(bench.DEFAULTS, name))
         compiled = torch.compile(model, fullgraph=True, backend='aot_eager_decomp_partition')
         mb[name] = saved_mb(model, lambda: compiled(idx, idx))
     assert mb['dar-block'] <= 1.25 * mb['standard']
