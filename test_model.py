@@ -599,6 +599,20 @@ def test_sinkhorn_closed_form_is_the_iteration_limit():
     torch.testing.assert_close(sinkhorn(Z).double(), naive_sinkhorn(Z, iters=5000), atol=1e-6, rtol=0)
 
 
+def test_dar_fusion_keeps_one_tensor_for_alphas_gradient():
+    """x = alpha h^0 + (1 - alpha) h^1, and backward keeps one (B, T, C) tensor for it, not both reads."""
+    res = GPT(tiny(residual='dar', depth_block=2)).transformer.res
+    with torch.no_grad():
+        res.alpha_logit.normal_()
+    h0, h1 = torch.randn(2, 16, 32, requires_grad=True), torch.randn(2, 16, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        x = res.fuse(3, [h0, h1], None)
+    alpha = torch.sigmoid(res.alpha_logit[3])
+    torch.testing.assert_close(x, alpha * h0 + (1 - alpha) * h1)
+    assert len({t.untyped_storage().data_ptr() for t in saved if t.shape == h0.shape}) == 1
+
+
 def test_dar_streams_differ_after_a_step_and_routing_matters():
     torch.manual_seed(0)
     model = one_step(GPT(tiny(residual='dar', depth_block=2)))
