@@ -444,7 +444,7 @@ class DAR(nn.Module):
     def fuse(self, l, h, a):
         # alpha_l = sigmoid(a_l)
         alpha = torch.sigmoid(self.alpha_logit[l])
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 = h^1 + alpha_l (h^0 - h^1): alpha's gradient keeps one tensor, not two
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 = h^1 + alpha_l (h^0 - h^1): alpha's gradient keeps one tensor
         return h[1] + alpha * (h[0] - h[1])
 
     def write(self, s, l, y):

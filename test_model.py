@@ -600,7 +600,7 @@ def test_sinkhorn_closed_form_is_the_iteration_limit():
 
 
 def test_dar_fusion_keeps_one_tensor_for_alphas_gradient():
-    """x = alpha h^0 + (1 - alpha) h^1, and backward keeps one (B, T, C) tensor for it, not both reads."""
+    """x = alpha h^0 + (1 - alpha) h^1; backward keeps one (B, T, C) tensor for it, not both reads."""
     res = GPT(tiny(residual='dar', depth_block=2)).transformer.res
     with torch.no_grad():
         res.alpha_logit.normal_()
