@@ -7,6 +7,8 @@ $ python bench.py config/bench_shakespeare.py # nanoGPT's shakespeare_char width
 $ python bench.py --moe=True --json_out=bench.json
 $ python bench.py config/bench_gpu.py        # GPU-sized, bf16, compiled
 $ python bench.py --report=loop              # train.py's step against a bare loop of the same model
+$ python bench.py --report=compile --n_layer=12 --depth_block=4 # compile time, cold and warm cache
+$ python bench.py --report=e2e               # python train.py against --residual=standard, start to exit
 
 Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
 training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
@@ -31,6 +33,7 @@ import subprocess
 import numpy as np
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
@@ -56,8 +59,12 @@ device = 'auto'
 dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere; or explicit
 modes = 'compiled,eager' # comma-separated: compiled (torch.compile) and / or eager
 json_out = '' # write all numbers here too
-report = 'paths' # paths: every path's table; loop: train.py's step against a bare loop of the standard model
+report = 'paths' # paths: every path's table; loop: train.py's step against a bare loop of the standard model;
+# compile: each path's first compiled training step, cold and warm cache; e2e: train.py's wall time, DAR vs standard
+runs = 3 # compile: cold + warm runs per path; e2e: pairs of train.py runs
+train_args = '' # e2e: more train.py arguments for both runs of a pair, space-separated
 memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
+compile_probe = '' # internal: time one path's first compiled training steps in this (fresh) process
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
 
@@ -176,12 +183,75 @@ def probe_memory(cfg, device, ctx):
         r.train_step()
     print(status_mb('VmHWM') - base)
 
-def cpu_peak_memory(name, argv):
-    args = [a for a in argv if not a.startswith('--memory_probe=')] + [f'--memory_probe={name}']
-    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+def run_probe(key, name, argv, env=None):
+    """This script in a fresh process with --key=name (a probe); the last line it prints."""
+    args = [a for a in argv if not a.startswith(f'--{key}=')] + [f'--{key}={name}']
+    p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
     if p.returncode != 0:
-        fail(f"memory probe of {name} failed: {p.stderr.strip().splitlines()[-1]}")
-    return float(p.stdout.strip().splitlines()[-1])
+        fail(f"{key.replace('_', ' ')} of {name} failed: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return p.stdout.strip().splitlines()[-1]
+
+def probe_compile(cfg, device, ctx):
+    """In this fresh process: seconds of one path's first compiled training step (forward,
+    backward, AdamW; it holds the compilation), the median of 5 later steps, and the hits in
+    the compile caches (AOTAutograd's and inductor's)."""
+    with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
+        r = Runner(cfg, cfg['compile_probe'], device, ctx, compiled=True)
+    first = timed(r.train_step, device)
+    step = statistics.median(timed(r.train_step, device) for _ in range(5))
+    hits = counters['aot_autograd']['autograd_cache_hit'] + counters['inductor']['fxgraph_cache_hit']
+    print(json.dumps(dict(first_s=first, step_s=step, cache_hits=hits)))
+
+def compile_times(cfg, names, argv):
+    """Per path, runs times: the first compiled training step in a fresh process from a fresh
+    inductor cache (cold), then in another fresh process on that cache (warm)."""
+    res = {}
+    for name in names:
+        runs = []
+        for _ in range(cfg['runs']):
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+                runs.append([json.loads(run_probe('compile_probe', name, argv, env)) for _ in ('cold', 'warm')])
+        res[name] = dict(cold_s=summary([c['first_s'] for c, _ in runs]), warm_s=summary([w['first_s'] for _, w in runs]),
+                         step_s=summary([r['step_s'] for run in runs for r in run]),
+                         cold_cache_hits=[c['cache_hits'] for c, _ in runs], warm_cache_hits=[w['cache_hits'] for _, w in runs])
+    print(f"# compile time: n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
+          f"batch_size={cfg['batch_size']} depth_block={cfg['depth_block']}, {cfg['runs']} runs; the first training step "
+          f"of torch.compile(model) in a fresh process: cold = fresh inductor cache, warm = again on it")
+    print('| path | first step, cold s (min-max) | first step, warm s (min-max) | later steps ms (min-max) |')
+    print('|---|---|---|---|')
+    span = lambda x, k=1: f"{k * x['median']:.1f} ({k * x['min']:.1f}-{k * x['max']:.1f})"
+    for name, r in res.items():
+        print(f"| {name} | {span(r['cold_s'])} | {span(r['warm_s'])} | {span(r['step_s'], 1e3)} |")
+    return res
+
+def end_to_end(cfg):
+    """Wall time, start to exit, of `python train.py` (Block DAR) and `python train.py
+    --residual=standard`, runs pairs in turn; the first DAR run from a fresh inductor cache (cold),
+    the later ones on it (warm). The ratio is taken within each pair."""
+    train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
+    extra = cfg['train_args'].split()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, 'inductor'))
+        def wall(args):
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, train_py, *args, *extra, f'--out_dir={tmp}/out', '--overwrite=True'],
+                               capture_output=True, text=True, env=env)
+            if p.returncode != 0:
+                fail(f"--report=e2e: train.py {' '.join(args + extra)} failed: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+            return time.perf_counter() - t0
+        pairs = [(wall([]), wall(['--residual=standard'])) for _ in range(cfg['runs'])]
+    ratios = [d / s for d, s in pairs]
+    print(f"# end to end: python train.py {cfg['train_args']} (Block DAR) against the same with --residual=standard, "
+          f"{cfg['runs']} pairs in turn, start to exit; the first DAR run compiles from a fresh cache")
+    print('| pair | python train.py s | --residual=standard s | ratio |')
+    print('|---|---|---|---|')
+    for i, ((d, st), r) in enumerate(zip(pairs, ratios)):
+        print(f"| {i + 1}{' (cold cache)' if i == 0 else ''} | {d:.1f} | {st:.1f} | {r:.2f} |")
+    res = dict(pairs_s=pairs, cold_ratio=ratios[0], warm_ratio=summary(ratios[1:]) if len(ratios) > 1 else None)
+    if res['warm_ratio']:
+        print(f"warm: ratio {res['warm_ratio']['median']:.2f} ({res['warm_ratio']['min']:.2f}-{res['warm_ratio']['max']:.2f})")
+    return res
 
 def bare_loop(model, optimizer, batches, ctx, device, iters, clip=0.0):
     """Seconds per step of a bare loop: forward, backward, AdamW step, on pre-made batches; with
@@ -262,23 +332,20 @@ def summary(xs):
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
     check(cfg, [count(k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'vocab_size', 'depth_block',
-                                   'rounds', 'decode_tokens')] + [count('warmup', 0)])
+                                   'rounds', 'decode_tokens', 'runs')] + [count('warmup', 0)])
     # every path's model compiles GPT.forward for training, prefill and decode: more than the default 8 entries
     torch._dynamo.config.recompile_limit = 64
     device = resolve_device(cfg['device'])
     dtype, ctx = autocast(device.split(':')[0], cfg['dtype'])
     if cfg['memory_probe']:
         return probe_memory(cfg, device, ctx)
-    if cfg['report'] not in ('paths', 'loop'):
-        fail(f"--report: unknown report {cfg['report']}; paths or loop")
-    if cfg['report'] == 'loop':
-        res = loop_ratio(cfg, device, ctx)
-        if cfg['json_out']:
-            with open(cfg['json_out'], 'w') as f:
-                json.dump(dict(config=cfg, loop=res), f, indent=1)
-        return
-    check(cfg, [('decode_tokens', lambda v: cfg['block_size'] // 2 + v <= cfg['block_size'],
-                 f"at most block_size - block_size // 2 = {cfg['block_size'] - cfg['block_size'] // 2} (decoding follows a prompt of block_size // 2)")])
+    if cfg['compile_probe']:
+        return probe_compile(cfg, device, ctx)
+    if cfg['report'] not in ('paths', 'loop', 'compile', 'e2e'):
+        fail(f"--report: unknown report {cfg['report']}; paths, loop, compile or e2e")
+    if cfg['report'] in ('loop', 'e2e'):
+        res = loop_ratio(cfg, device, ctx) if cfg['report'] == 'loop' else end_to_end(cfg)
+        return write_json(cfg, {cfg['report']: res})
     names = list(PATHS) if cfg['paths'] == 'all' else cfg['paths'].split(',')
     for name in names:
         if name not in PATHS:
@@ -287,6 +354,10 @@ def main(argv):
         names.insert(0, 'standard')
     if cfg['moe']:
         names += [n + '+moe' for n in names]
+    if cfg['report'] == 'compile':
+        return write_json(cfg, dict(compile=compile_times(cfg, names, argv)))
+    check(cfg, [('decode_tokens', lambda v: cfg['block_size'] // 2 + v <= cfg['block_size'],
+                 f"at most block_size - block_size // 2 = {cfg['block_size'] - cfg['block_size'] // 2} (decoding follows a prompt of block_size // 2)")])
     modes = cfg['modes'].split(',')
     for mode in modes:
         if mode not in ('compiled', 'eager'):
@@ -318,7 +389,7 @@ def main(argv):
             runner.train_step()
             memory[row] = (torch.cuda.max_memory_allocated() - base) / 2**20
         elif row[1] == 'eager': # a compiled process's peak would hold the compiler's memory
-            memory[row] = cpu_peak_memory(row[0], argv)
+            memory[row] = float(run_probe('memory_probe', row[0], argv))
 
     tokens = cfg['batch_size'] * cfg['block_size']
     results = {}
@@ -354,9 +425,13 @@ def main(argv):
               f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} "
               f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} | {r['saved_mb']:.1f} | {r['saved_ratio']:.2f} |"
               + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
+    write_json(cfg, dict(device=where, dtype=dtype, results=results))
+
+def write_json(cfg, res):
+    """The report's numbers and the config, to --json_out if given."""
     if cfg['json_out']:
         with open(cfg['json_out'], 'w') as f:
-            json.dump(dict(device=where, dtype=dtype, config=cfg, results=results), f, indent=1)
+            json.dump(dict(config=cfg, **res), f, indent=1)
 
 if __name__ == '__main__':
     main(sys.argv[1:])

@@ -31,7 +31,6 @@ import model as model_module
 from model import GPT, GPTConfig, KVCache, sinkhorn
 from sample import compile_for_generation
 import bench
-from bench import saved_mb
 import train
 import sample
 import analyze
@@ -429,7 +428,7 @@ def test_compiled_block_dar_keeps_at_most_1_25x_the_standard_residuals_activatio
         torch.manual_seed(0)
         model = GPT(bench.model_config(bench.DEFAULTS, name))
         compiled = torch.compile(model, fullgraph=True, backend='aot_eager_decomp_partition')
-        mb[name] = saved_mb(model, lambda: compiled(idx, idx))
+        mb[name] = bench.saved_mb(model, lambda: compiled(idx, idx))
     assert mb['dar-block'] <= 1.25 * mb['standard']
 
 @pytest.mark.parametrize('name', PATHS)
@@ -750,12 +749,20 @@ def losses(stdout):
 @pytest.mark.slow
 def test_compile_default_on_cpu_is_on_for_dar_only(workdir):
     """compile=None compiles on CPU where that was measured faster end to end: dense DAR; the
-    standard path, and DAR with the fp32 MoE (graph breaks), run eager."""
+    standard path, and DAR with the fp32 MoE (graph breaks), run eager. The compiled run
+    evaluates through its training graph: its evals, before and after a step, compile nothing
+    more, and its first eval equals the eager run's."""
     auto = [a for a in SMALL if a != '--compile=False'] + ['--max_iters=2', '--eval_interval=2']
+    env = dict(os.environ, TORCH_LOGS='recompiles')
     for extra, compiled in (([], True), (['--residual=standard'], False), (['--n_expert=2'], False)):
-        p = run(auto + ['--out_dir=auto', '--overwrite=True'] + extra, workdir)
+        p = run(auto + ['--out_dir=auto', '--overwrite=True'] + extra, workdir, env=env)
         assert ('compiling the model' in p.stdout) == compiled, extra
         assert 'done: 2 iterations' in p.stdout
+        assert 'Recompiling' not in p.stderr, p.stderr
+        if compiled:
+            eager = run(auto + ['--out_dir=auto', '--overwrite=True', '--compile=False'], workdir)
+            first_eval = [line for line in eager.stdout.splitlines() if line.startswith('step 0:')]
+            assert first_eval and first_eval[0] in p.stdout.splitlines()
 
 @pytest.mark.slow
 def test_resume_equals_uninterrupted_run(workdir):
@@ -1499,7 +1506,40 @@ def test_bench_times_train_py_against_a_bare_loop(tmp_path):
     assert loop['ratio_clipped']['min'] > 0
     assert os.listdir(tmp_path) == ['loop.json'] # its token files and checkpoints were temporary
     p = run(['--report=speed'], tmp_path, module='bench.py', check=False)
-    assert p.returncode == 1 and last_line(p.stderr) == 'error: --report: unknown report speed; paths or loop'
+    assert p.returncode == 1 and last_line(p.stderr) == 'error: --report: unknown report speed; paths, loop, compile or e2e'
+    p = run(['--report=compile', '--runs=0'], tmp_path, module='bench.py', check=False)
+    assert p.returncode == 1 and last_line(p.stderr) == 'error: runs=0 is out of range: an integer >= 1'
+
+@pytest.mark.slow
+def test_bench_times_the_compile_from_a_fresh_cache_and_on_it(tmp_path):
+    """bench.py --report=compile: per path and run, the first compiled training step in a fresh
+    process from a fresh inductor cache, then in another on that cache, which it reads."""
+    out = tmp_path / 'compile.json'
+    p = run(['--report=compile', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
+             '--paths=dar-block', '--runs=1', f'--json_out={out}'], tmp_path, module='bench.py')
+    res = json.loads(out.read_text())['compile']
+    assert list(res) == ['standard', 'dar-block']
+    for r in res.values():
+        assert r['cold_s']['median'] > 0 and r['warm_s']['median'] > 0 and r['step_s']['median'] > 0
+        assert r['cold_cache_hits'] == [0] and r['warm_cache_hits'][0] > 0
+    assert re.search(r"^\| dar-block \| [\d.]+ \([\d.]+-[\d.]+\) \| ", p.stdout, flags=re.M)
+    assert os.listdir(tmp_path) == ['compile.json'] # the caches were temporary
+
+@pytest.mark.slow
+def test_bench_times_train_py_end_to_end(workdir):
+    """bench.py --report=e2e: pairs of train.py runs, DAR then standard, each start to exit, with
+    the ratio per pair; a train.py that fails is named with its arguments."""
+    out = workdir / 'e2e.json'
+    small = ' '.join(SMALL + ['--max_iters=2', '--eval_interval=2'])
+    p = run(['--report=e2e', '--runs=2', f'--train_args={small}', f'--json_out={out}'], workdir, module='bench.py')
+    res = json.loads(out.read_text())['e2e']
+    assert len(res['pairs_s']) == 2 and all(d > 0 and s > 0 for d, s in res['pairs_s'])
+    assert res['cold_ratio'] == res['pairs_s'][0][0] / res['pairs_s'][0][1]
+    assert re.search(r"^\| 1 \(cold cache\) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", p.stdout, flags=re.M)
+    assert not os.path.exists(workdir / 'out') # train.py wrote to a temporary out_dir
+    p = run(['--report=e2e', '--train_args=--n_layer=0'], workdir, module='bench.py', check=False)
+    assert p.returncode == 1
+    assert last_line(p.stderr) == "error: --report=e2e: train.py --n_layer=0 failed: error: n_layer=0 is out of range: an integer >= 1"
 
 # -----------------------------------------------------------------------------
 # the docs name only what exists

@@ -389,23 +389,28 @@ def main(argv):
     if use_compile:
         print("compiling the model... (takes a ~minute)")
         model = torch.compile(model)
+    # without dropout, train and eval mode are the same function: a compiled model evaluates
+    # through its training graph (grad on, each batch's graph freed), as eval mode or no_grad
+    # would compile a second graph (docs/bench.md); else the eager model in eval mode evaluates
+    eval_graph = use_compile and cfg['dropout'] == 0 and not cfg['fsdp'] and not cfg['eval_only']
+    eval_model = model if eval_graph else raw_model
     if ddp and not cfg['fsdp']:
         model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
 
-    @torch.no_grad()
     def estimate_loss():
         """Mean LM loss of each split over eval_iters batches, the same batches at every eval;
         with MoE also the mean router losses and expert load on val."""
         out = {}
-        model.eval()
+        if not eval_graph:
+            raw_model.eval()
         for split, shards in (('train', train_shards), ('val', val_shards)):
             gen = torch.Generator().manual_seed(cfg['seed'] + 1)
             ix = torch.randint(sum(w for _, w in shards), (cfg['eval_iters'], cfg['batch_size']), generator=gen)
             losses, router = [], []
             for k in range(cfg['eval_iters']):
                 X, Y = get_batch(shards, ix[k], cfg['block_size'], device)
-                with ctx:
-                    logits, loss = raw_model(X, Y)
+                with ctx, torch.set_grad_enabled(eval_graph):
+                    logits, loss = eval_model(X, Y)
                 if raw_model.moe_stats is not None:
                     loss = raw_model.moe_stats['lm']
                     router.append(raw_model.moe_stats)
@@ -413,7 +418,7 @@ def main(argv):
             out[split] = sum(losses) / len(losses)
             if router:
                 out['router'] = {key: torch.stack([r[key] for r in router]).mean(0) for key in router[0]}
-        model.train()
+        raw_model.train()
         return out
 
     def rng_states():
