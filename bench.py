@@ -216,7 +216,7 @@ def compile_times(cfg, names, argv):
                          step_s=summary([r['step_s'] for run in runs for r in run]),
                          cold_cache_hits=[c['cache_hits'] for c, _ in runs], warm_cache_hits=[w['cache_hits'] for _, w in runs])
     print(f"# compile time: n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
-          f"batch_size={cfg['batch_size']} depth_block={cfg['depth_block']}, {cfg['runs']} runs; the first training step "
+          f"batch_size={cfg['batch_size']} depth_block={cfg['depth_block']}, runs: {cfg['runs']}; the first training step "
           f"of torch.compile(model) in a fresh process: cold = fresh inductor cache, warm = again on it")
     print('| path | first step, cold s (min-max) | first step, warm s (min-max) | later steps ms (min-max) |')
     print('|---|---|---|---|')
@@ -228,27 +228,32 @@ def compile_times(cfg, names, argv):
 def end_to_end(cfg):
     """Wall time, start to exit, of `python train.py` (Block DAR) and `python train.py
     --residual=standard`, runs pairs in turn; the first DAR run from a fresh inductor cache (cold),
-    the later ones on it (warm). The ratio is taken within each pair."""
+    the later ones on it (warm). The ratio is taken within each pair; each run's best val loss too."""
     train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
     extra = cfg['train_args'].split()
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, 'inductor'))
         def wall(args):
+            """Seconds of one train.py run, start to exit, and its best val loss."""
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, train_py, *args, *extra, f'--out_dir={tmp}/out', '--overwrite=True'],
                                capture_output=True, text=True, env=env)
             if p.returncode != 0:
                 fail(f"--report=e2e: train.py {' '.join(args + extra)} failed: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
-            return time.perf_counter() - t0
-        pairs = [(wall([]), wall(['--residual=standard'])) for _ in range(cfg['runs'])]
-    ratios = [d / s for d, s in pairs]
-    print(f"# end to end: python train.py {cfg['train_args']} (Block DAR) against the same with --residual=standard, "
+            best = re.search(r'best val loss ([\d.]+)', p.stdout) # none without a checkpoint
+            return time.perf_counter() - t0, best and float(best[1])
+        runs = [(wall([]), wall(['--residual=standard'])) for _ in range(cfg['runs'])]
+    pairs = [(d, st) for (d, _), (st, _) in runs]
+    ratios = [d / st for d, st in pairs]
+    print(f"# end to end: {' '.join(['python train.py'] + extra)} (Block DAR) against the same with --residual=standard, "
           f"{cfg['runs']} pairs in turn, start to exit; the first DAR run compiles from a fresh cache")
-    print('| pair | python train.py s | --residual=standard s | ratio |')
+    print('| pair | python train.py s (val loss) | --residual=standard s (val loss) | ratio |')
     print('|---|---|---|---|')
-    for i, ((d, st), r) in enumerate(zip(pairs, ratios)):
-        print(f"| {i + 1}{' (cold cache)' if i == 0 else ''} | {d:.1f} | {st:.1f} | {r:.2f} |")
-    res = dict(pairs_s=pairs, cold_ratio=ratios[0], warm_ratio=summary(ratios[1:]) if len(ratios) > 1 else None)
+    for i, (((d, dl), (st, sl)), r) in enumerate(zip(runs, ratios)):
+        loss = lambda v: '-' if v is None else f'{v:.4f}'
+        print(f"| {i + 1}{' (cold cache)' if i == 0 else ''} | {d:.1f} ({loss(dl)}) | {st:.1f} ({loss(sl)}) | {r:.2f} |")
+    res = dict(pairs_s=pairs, val_loss=[(dl, sl) for (_, dl), (_, sl) in runs], cold_ratio=ratios[0],
+               warm_ratio=summary(ratios[1:]) if len(ratios) > 1 else None)
     if res['warm_ratio']:
         print(f"warm: ratio {res['warm_ratio']['median']:.2f} ({res['warm_ratio']['min']:.2f}-{res['warm_ratio']['max']:.2f})")
     return res

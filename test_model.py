@@ -1535,7 +1535,8 @@ def test_bench_times_train_py_end_to_end(workdir):
     res = json.loads(out.read_text())['e2e']
     assert len(res['pairs_s']) == 2 and all(d > 0 and s > 0 for d, s in res['pairs_s'])
     assert res['cold_ratio'] == res['pairs_s'][0][0] / res['pairs_s'][0][1]
-    assert re.search(r"^\| 1 \(cold cache\) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", p.stdout, flags=re.M)
+    assert re.search(r"^\| 1 \(cold cache\) \| [\d.]+ \(\d\.\d{4}\) \| [\d.]+ \(\d\.\d{4}\) \| [\d.]+ \|$", p.stdout, flags=re.M)
+    assert len(res['val_loss']) == 2 and all(0 < v < 10 for pair in res['val_loss'] for v in pair)
     assert not os.path.exists(workdir / 'out') # train.py wrote to a temporary out_dir
     p = run(['--report=e2e', '--train_args=--n_layer=0'], workdir, module='bench.py', check=False)
     assert p.returncode == 1

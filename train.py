@@ -390,8 +390,9 @@ def main(argv):
         print("compiling the model... (takes a ~minute)")
         model = torch.compile(model)
     # without dropout, train and eval mode are the same function: a compiled model evaluates
-    # through its training graph (grad on, each batch's graph freed), as eval mode or no_grad
-    # would compile a second graph (docs/bench.md); else the eager model in eval mode evaluates
+    # through its training graph (grad on, each batch's graph freed), where eval mode or no_grad
+    # would compile a second graph (docs/bench.md); with dropout, FSDP or eval_only (no training
+    # graph to share) the eager model evaluates, in eval mode
     eval_graph = use_compile and cfg['dropout'] == 0 and not cfg['fsdp'] and not cfg['eval_only']
     eval_model = model if eval_graph else raw_model
     if ddp and not cfg['fsdp']:
