@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import json
+import shlex
 import signal
 import tempfile
 import contextlib
@@ -59,8 +60,7 @@ device = 'auto'
 dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere; or explicit
 modes = 'compiled,eager' # comma-separated: compiled (torch.compile) and / or eager
 json_out = '' # write all numbers here too
-report = 'paths' # paths: every path's table; loop: train.py's step against a bare loop of the standard model;
-# compile: each path's first compiled training step, cold and warm cache; e2e: train.py's wall time, DAR vs standard
+report = 'paths' # paths (every path's table), loop, compile or e2e: see the examples above
 runs = 3 # compile: cold + warm runs per path; e2e: pairs of train.py runs
 train_args = '' # e2e: more train.py arguments for both runs of a pair, space-separated
 memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
@@ -210,7 +210,7 @@ def compile_times(cfg, names, argv):
         runs = []
         for _ in range(cfg['runs']):
             with tempfile.TemporaryDirectory() as cache:
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+                env = fresh_cache(cache)
                 runs.append([json.loads(run_probe('compile_probe', name, argv, env)) for _ in ('cold', 'warm')])
         res[name] = dict(cold_s=summary([c['first_s'] for c, _ in runs]), warm_s=summary([w['first_s'] for _, w in runs]),
                          step_s=summary([r['step_s'] for run in runs for r in run]),
@@ -225,14 +225,21 @@ def compile_times(cfg, names, argv):
         print(f"| {name} | {span(r['cold_s'])} | {span(r['warm_s'])} | {span(r['step_s'], 1e3)} |")
     return res
 
+def fresh_cache(path):
+    """The environment of a process whose compile caches (inductor's, Triton's) start empty in path."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path)
+    env.pop('TRITON_CACHE_DIR', None) # it would override the Triton cache under path
+    return env
+
 def end_to_end(cfg):
     """Wall time, start to exit, of `python train.py` (Block DAR) and `python train.py
-    --residual=standard`, runs pairs in turn; the first DAR run from a fresh inductor cache (cold),
-    the later ones on it (warm). The ratio is taken within each pair; each run's best val loss too."""
+    --residual=standard`, runs pairs in turn; the first pair from a fresh compile cache (cold:
+    on CPU only DAR compiles), the later ones on it (warm). The ratio is taken within each pair;
+    each run's best val loss too."""
     train_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py')
-    extra = cfg['train_args'].split()
+    extra = shlex.split(cfg['train_args'])
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, 'inductor'))
+        env = fresh_cache(os.path.join(tmp, 'inductor'))
         def wall(args):
             """Seconds of one train.py run, start to exit, and its best val loss."""
             t0 = time.perf_counter()
@@ -246,16 +253,16 @@ def end_to_end(cfg):
     pairs = [(d, st) for (d, _), (st, _) in runs]
     ratios = [d / st for d, st in pairs]
     print(f"# end to end: {' '.join(['python train.py'] + extra)} (Block DAR) against the same with --residual=standard, "
-          f"{cfg['runs']} pairs in turn, start to exit; the first DAR run compiles from a fresh cache")
+          f"{cfg['runs']} pairs in turn, start to exit; the first pair starts from a fresh compile cache")
     print('| pair | python train.py s (val loss) | --residual=standard s (val loss) | ratio |')
     print('|---|---|---|---|')
+    loss = lambda v: '-' if v is None else f'{v:.4f}'
     for i, (((d, dl), (st, sl)), r) in enumerate(zip(runs, ratios)):
-        loss = lambda v: '-' if v is None else f'{v:.4f}'
-        print(f"| {i + 1}{' (cold cache)' if i == 0 else ''} | {d:.1f} ({loss(dl)}) | {st:.1f} ({loss(sl)}) | {r:.2f} |")
+        print(f"| {i + 1}{' (cold cache)' if i == 0 else ''} | {d:.1f} ({loss(dl)}) | {st:.1f} ({loss(sl)}) | {r:.3f} |")
     res = dict(pairs_s=pairs, val_loss=[(dl, sl) for (_, dl), (_, sl) in runs], cold_ratio=ratios[0],
                warm_ratio=summary(ratios[1:]) if len(ratios) > 1 else None)
     if res['warm_ratio']:
-        print(f"warm: ratio {res['warm_ratio']['median']:.2f} ({res['warm_ratio']['min']:.2f}-{res['warm_ratio']['max']:.2f})")
+        print(f"warm: ratio {res['warm_ratio']['median']:.3f} ({res['warm_ratio']['min']:.3f}-{res['warm_ratio']['max']:.3f})")
     return res
 
 def bare_loop(model, optimizer, batches, ctx, device, iters, clip=0.0):

@@ -390,10 +390,11 @@ def main(argv):
         print("compiling the model... (takes a ~minute)")
         model = torch.compile(model)
     # without dropout, train and eval mode are the same function: a compiled model evaluates
-    # through its training graph (grad on, each batch's graph freed), where eval mode or no_grad
-    # would compile a second graph (docs/bench.md); with dropout, FSDP or eval_only (no training
-    # graph to share) the eager model evaluates, in eval mode
-    eval_graph = use_compile and cfg['dropout'] == 0 and not cfg['fsdp'] and not cfg['eval_only']
+    # through its training graph (grad on), where eval mode or no_grad would compile a second graph
+    # (docs/bench.md). The eager model evaluates, in eval mode: with dropout; with eval_only (no
+    # training to share the graph with); under DDP / FSDP, whose first compile must be their own
+    # (DDP's graph is split at its gradient buckets)
+    eval_graph = use_compile and cfg['dropout'] == 0 and not cfg['eval_only'] and not ddp
     eval_model = model if eval_graph else raw_model
     if ddp and not cfg['fsdp']:
         model = DDP(model, device_ids=[local_rank] if device_type == 'cuda' else None)
@@ -411,11 +412,11 @@ def main(argv):
             for k in range(cfg['eval_iters']):
                 X, Y = get_batch(shards, ix[k], cfg['block_size'], device)
                 with ctx, torch.set_grad_enabled(eval_graph):
-                    logits, loss = eval_model(X, Y)
+                    loss = eval_model(X, Y)[1].item() # a float: with grad on, no graph outlives its batch
                 if raw_model.moe_stats is not None:
-                    loss = raw_model.moe_stats['lm']
+                    loss = raw_model.moe_stats['lm'].item()
                     router.append(raw_model.moe_stats)
-                losses.append(loss.item())
+                losses.append(loss)
             out[split] = sum(losses) / len(losses)
             if router:
                 out['router'] = {key: torch.stack([r[key] for r in router]).mean(0) for key in router[0]}
