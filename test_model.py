@@ -1548,17 +1548,17 @@ def test_bench_times_the_compile_from_a_fresh_cache_and_on_it(tmp_path):
     assert os.listdir(tmp_path) == ['compile.json'] # nothing else written here
 
 @pytest.mark.slow
-def test_bench_times_train_py_end_to_end(workdir):
+def test_bench_times_train_py_end_to_end(workdir, tmp_path):
     """bench.py --report=e2e: pairs of train.py runs, DAR then standard, each start to exit, with
     the ratio per pair; a train.py that fails is named with its arguments."""
-    out = workdir / 'e2e.json'
-    small = ' '.join(SMALL + ['--max_iters=2', '--eval_interval=2'])
-    p = run(['--report=e2e', '--runs=2', f'--train_args={small}', f'--json_out={out}'], workdir, module='bench.py')
+    out = tmp_path / 'e2e.json'
+    small = ' '.join(SMALL + ['--max_iters=2', '--eval_interval=2', f"--data_dir={workdir / 'data'}"])
+    p = run(['--report=e2e', '--runs=2', f'--train_args={small}', f'--json_out={out}'], tmp_path, module='bench.py')
     res = json.loads(out.read_text())['e2e']
     assert len(res['pairs_s']) == 2 and all(d > 0 and s > 0 for d, s in res['pairs_s'])
     assert re.search(r"^\| 1 \(cold cache\) \| [\d.]+ \(\d\.\d{4}\) \| [\d.]+ \(\d\.\d{4}\) \| \d\.\d{3} \|$", p.stdout, flags=re.M)
     assert len(res['val_loss']) == 2 and all(0 < v < 10 for pair in res['val_loss'] for v in pair)
-    assert not os.path.exists(workdir / 'out') # train.py wrote to a temporary out_dir
+    assert os.listdir(tmp_path) == ['e2e.json'] # train.py wrote to a temporary out_dir
     p = run(['--report=e2e', '--train_args=--n_layer=0'], workdir, module='bench.py', check=False)
     assert p.returncode == 1
     assert last_line(p.stderr) == "error: --report=e2e: train.py --n_layer=0 failed: error: n_layer=0 is out of range: an integer >= 1"
