@@ -183,12 +183,16 @@ def probe_memory(cfg, device, ctx):
         r.train_step()
     print(status_mb('VmHWM') - base)
 
+def last_line(text):
+    """The last line of a failed process's stderr: its one-line error."""
+    return (text.strip().splitlines() or ['no output'])[-1]
+
 def run_probe(key, name, argv, env=None):
     """This script in a fresh process with --key=name (a probe); the last line it prints."""
     args = [a for a in argv if not a.startswith(f'--{key}=')] + [f'--{key}={name}']
     p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
     if p.returncode != 0:
-        fail(f"{key.replace('_', ' ')} of {name} failed: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+        fail(f"{key.replace('_', ' ')} of {name} failed: {last_line(p.stderr)}")
     return p.stdout.strip().splitlines()[-1]
 
 def probe_compile(cfg, device, ctx):
@@ -246,7 +250,7 @@ def end_to_end(cfg):
             p = subprocess.run([sys.executable, train_py, *args, *extra, f'--out_dir={tmp}/out', '--overwrite=True'],
                                capture_output=True, text=True, env=env)
             if p.returncode != 0:
-                fail(f"--report=e2e: train.py {' '.join(args + extra)} failed: {(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+                fail(f"--report=e2e: train.py {' '.join(args + extra)} failed: {last_line(p.stderr)}")
             best = re.search(r'best val loss ([\d.]+)', p.stdout) # none without a checkpoint
             return time.perf_counter() - t0, best and float(best[1])
         runs = [(wall([]), wall(['--residual=standard'])) for _ in range(cfg['runs'])]

@@ -1245,8 +1245,7 @@ def test_a_compiled_run_evaluates_through_its_training_graph(workdir, monkeypatc
             calls.append((torch.is_grad_enabled(), self.model.training))
             return self.model(*args)
     monkeypatch.setattr(train.torch, 'compile', Compiled)
-    args = [a for a in SMALL if a != '--compile=False'] + ['--compile=True', '--max_iters=2', '--eval_interval=2',
-                                                          '--out_dir=graph-eval', '--overwrite=True']
+    args = SMALL + ['--compile=True', '--max_iters=2', '--eval_interval=2', '--out_dir=graph-eval', '--overwrite=True']
     assert train.main(args) == 0
     assert calls == [(True, True)] * (2 * 2 * 2 + 2) # evals at steps 0 and 2, 2 splits x 2 batches each; 2 steps
     calls.clear()
