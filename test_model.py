@@ -1437,12 +1437,13 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
 def test_get_batch_reads_the_windows_of_every_shard(tmp_path):
     """Window i of all shards in turn is tokens [i, i + block_size] of its shard, never crossing
     into the next; targets are the inputs shifted by one."""
-    rng, T, shards, windows = np.random.default_rng(0), 8, [], []
+    rng, T, windows = np.random.default_rng(0), 8, []
     for n, size in enumerate([50, 80, 70]):
         tokens = rng.integers(0, 65, size).astype(np.uint16)
-        tokens.tofile(tmp_path / f'{n}.bin')
-        shards.append((str(tmp_path / f'{n}.bin'), size - T))
+        tokens.tofile(tmp_path / f'train_{n}.bin')
         windows += [tokens[i:i + T + 1] for i in range(size - T)]
+    shards = train.open_split(str(tmp_path), 'train', T)
+    assert [w for _, w in shards] == [42, 72, 62]
     ix = torch.randint(len(windows), (40,), generator=torch.Generator().manual_seed(0))
     x, y = train.get_batch(shards, ix, T, 'cpu')
     want = torch.from_numpy(np.stack([windows[i] for i in ix.tolist()]).astype(np.int64))
