@@ -1435,10 +1435,11 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
 # scale: large-corpus shards, FSDP2, activation checkpointing
 
 def test_get_batch_reads_the_windows_of_every_shard(tmp_path):
-    """Window i of all shards in turn is tokens [i, i + block_size] of its shard, never crossing
-    into the next; targets are the inputs shifted by one."""
+    """open_split counts each shard's windows and skips a shard too short for one; window i of
+    all shards in turn is tokens [i, i + block_size] of its shard, never crossing into the next;
+    targets are the inputs shifted by one."""
     rng, T, windows = np.random.default_rng(0), 8, []
-    for n, size in enumerate([50, 80, 70]):
+    for n, size in enumerate([50, 80, 5, 70]): # a shard of 5 tokens holds no window: skipped
         tokens = rng.integers(0, 65, size).astype(np.uint16)
         tokens.tofile(tmp_path / f'train_{n}.bin')
         windows += [tokens[i:i + T + 1] for i in range(size - T)]
