@@ -412,11 +412,11 @@ def main(argv):
             for k in range(cfg['eval_iters']):
                 X, Y = get_batch(shards, ix[k], cfg['block_size'], device)
                 with ctx, torch.set_grad_enabled(eval_graph):
-                    loss = eval_model(X, Y)[1].item() # a float: with grad on, no graph outlives its batch
+                    loss = eval_model(X, Y)[1].detach() # with grad on, no graph outlives its batch
                 if raw_model.moe_stats is not None:
-                    loss = raw_model.moe_stats['lm'].item()
+                    loss = raw_model.moe_stats['lm']
                     router.append(raw_model.moe_stats)
-                losses.append(loss)
+                losses.append(loss.item())
             out[split] = sum(losses) / len(losses)
             if router:
                 out['router'] = {key: torch.stack([r[key] for r in router]).mean(0) for key in router[0]}
