@@ -9,6 +9,7 @@ $ python bench.py config/bench_gpu.py        # GPU-sized, bf16, compiled
 $ python bench.py --report=loop              # train.py's step against a bare loop of the same model
 $ python bench.py --report=compile --n_layer=12 --depth_block=4 # compile time, cold and warm cache
 $ python bench.py --report=e2e               # python train.py against --residual=standard, start to exit
+$ python bench.py config/bench_gpu.py --report=gpu # the GPU check: steps, first steps, memory, profiles, MoE
 
 Per path and mode (compiled: torch.compile of the model, one graph per path; eager: none):
 training step (forward + backward + AdamW), forward-only prefill, KV-cache decode per token
@@ -60,7 +61,8 @@ device = 'auto'
 dtype = 'auto' # 'auto': bfloat16 on CUDA where supported, float32 elsewhere; or explicit
 modes = 'compiled,eager' # comma-separated: compiled (torch.compile) and / or eager
 json_out = '' # write all numbers here too
-report = 'paths' # paths (every path's table), loop, compile or e2e: see the examples above
+report = 'paths' # paths (every path's table), loop, compile, e2e or gpu: see the examples above
+moe_steps = 20 # gpu: training steps of Block DAR + MoE
 runs = 3 # compile: cold + warm runs per path; e2e: pairs of train.py runs
 train_args = '' # e2e: more train.py arguments for both runs of a pair, space-separated
 memory_probe = '' # internal: measure the peak RSS of one path in this (fresh) process
@@ -207,31 +209,40 @@ def probe_compile(cfg, device, ctx):
     print(json.dumps(dict(first_s=first, step_s=step, cache_hits=hits)))
 
 def compile_times(cfg, names, argv):
-    """Per path, runs times: the first compiled training step in a fresh process from a fresh
-    inductor cache (cold), then in another fresh process on that cache (warm)."""
-    res = {}
-    for name in names:
-        runs = []
-        for _ in range(cfg['runs']):
+    """runs times, every path in turn: the first compiled training step in a fresh process from a
+    fresh compile cache (cold), then in another fresh process on that cache (warm); a path's ratio
+    to standard is taken run by run."""
+    per_path = {name: [] for name in names}
+    for _ in range(cfg['runs']):
+        for name in names:
             with tempfile.TemporaryDirectory() as cache:
                 env = fresh_cache(cache)
-                runs.append([json.loads(run_probe('compile_probe', name, argv, env)) for _ in ('cold', 'warm')])
+                per_path[name].append([json.loads(run_probe('compile_probe', name, argv, env)) for _ in ('cold', 'warm')])
+    res = {}
+    for name, runs in per_path.items():
         res[name] = dict(cold_s=summary([c['first_s'] for c, _ in runs]), warm_s=summary([w['first_s'] for _, w in runs]),
                          step_s=summary([r['step_s'] for run in runs for r in run]),
-                         cold_cache_hits=[c['cache_hits'] for c, _ in runs], warm_cache_hits=[w['cache_hits'] for _, w in runs])
+                         cold_cache_hits=[c['cache_hits'] for c, _ in runs], warm_cache_hits=[w['cache_hits'] for _, w in runs],
+                         runs=runs)
+    for name, r in res.items(): # run i of a path against run i of standard
+        std = res['standard']['runs']
+        r['cold_ratio'], r['warm_ratio'] = (summary([a[k]['first_s'] / b[k]['first_s'] for a, b in zip(r['runs'], std)]) for k in (0, 1))
+        r['step_ratio'] = summary([a[k]['step_s'] / b[k]['step_s'] for a, b in zip(r['runs'], std) for k in (0, 1)])
     print(f"# compile time: n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
           f"batch_size={cfg['batch_size']} depth_block={cfg['depth_block']}, runs: {cfg['runs']}; the first training step "
           f"of torch.compile(model) in a fresh process: cold = fresh inductor cache, warm = again on it")
-    print('| path | first step, cold s (min-max) | first step, warm s (min-max) | later steps ms (min-max) |')
-    print('|---|---|---|---|')
-    span = lambda x, k=1: f"{k * x['median']:.1f} ({k * x['min']:.1f}-{k * x['max']:.1f})"
+    print('| path | first step, cold s (min-max) | x std | first step, warm s (min-max) | x std | later steps ms (min-max) | x std |')
+    print('|---|---|---|---|---|---|---|')
+    span = lambda x, k=1, f='.1f': f"{k * x['median']:{f}} ({k * x['min']:{f}}-{k * x['max']:{f}})"
     for name, r in res.items():
-        print(f"| {name} | {span(r['cold_s'])} | {span(r['warm_s'])} | {span(r['step_s'], 1e3)} |")
+        print(f"| {name} | {span(r['cold_s'])} | {span(r['cold_ratio'], f='.2f')} | {span(r['warm_s'])} | {span(r['warm_ratio'], f='.2f')} "
+              f"| {span(r['step_s'], 1e3)} | {span(r['step_ratio'], f='.2f')} |")
     return res
 
 def fresh_cache(path):
-    """The environment of a process whose compile caches (inductor's, Triton's) start empty in path."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path)
+    """The environment of a process whose compile caches (inductor's, Triton's, depth_op.cpp's
+    build) start empty in path."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=path, XDG_CACHE_HOME=path)
     env.pop('TRITON_CACHE_DIR', None) # it would override the Triton cache under path
     return env
 
@@ -342,13 +353,65 @@ def loop_ratio(cfg, device, ctx):
           f"ratio {res['ratio_clipped']['median']:.3f} ({res['ratio_clipped']['min']:.3f}-{res['ratio_clipped']['max']:.3f})")
     return res
 
+def gpu_check(cfg, device, ctx):
+    """The GPU check (docs/gpu.md), in the order of what matters most, each result printed as it
+    comes: every path's first compiled training step (which compiles it) and its later steps,
+    interleaved, against standard's; peak memory; a torch.profiler summary of a standard and a
+    Block DAR step; Block DAR + MoE compiled, moe_steps training steps."""
+    names = ['standard', 'dar-block', 'attnres-block', 'dar-full']
+    res = dict(first_s={}, train_s={}, ratio={}, peak_mb={})
+    with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
+        runners = {n: Runner(cfg, n, device, ctx, compiled=True) for n in names}
+    print(f"# GPU check: n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
+          f"batch_size={cfg['batch_size']}, compiled, {cfg['rounds']} interleaved rounds", flush=True)
+    for n, r in runners.items():
+        res['first_s'][n] = timed(r.train_step, device)
+        print(f"first step (compiles) {n}: {res['first_s'][n]:.1f} s", flush=True)
+    times = {n: [] for n in names}
+    for _ in range(cfg['rounds']):
+        for n, r in runners.items():
+            times[n].append(timed(r.train_step, device))
+    for n, r in runners.items():
+        ratios = [a / b for a, b in zip(times[n], times['standard'])]
+        res['train_s'][n], res['ratio'][n] = summary(times[n]), summary(ratios)
+        if 'cuda' in device:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            r.train_step()
+            res['peak_mb'][n] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        peak = res['peak_mb'].get(n)
+        print(f"| {n} | {1e3 * res['train_s'][n]['median']:.1f} ms | x std {res['ratio'][n]['median']:.3f} "
+              f"({res['ratio'][n]['min']:.3f}-{res['ratio'][n]['max']:.3f}) | peak {'-' if peak is None else f'{peak:.0f} MB'} |", flush=True)
+    res['profile'] = {}
+    for n in ('standard', 'dar-block'):
+        with torch.profiler.profile() as prof:
+            for _ in range(3):
+                runners[n].train_step()
+            sync(device)
+        key = 'self_device_time_total' if 'cuda' in device else 'self_cpu_time_total'
+        res['profile'][n] = prof.key_averages().table(sort_by=key, row_limit=12)
+        print(f"# profile, 3 training steps of {n}, by {key}\n{res['profile'][n]}", flush=True)
+    del runners
+    r = Runner(cfg, 'dar-block+moe', device, ctx, compiled=True)
+    t0, losses = time.perf_counter(), []
+    for _ in range(cfg['moe_steps']):
+        with ctx:
+            _, loss = r.fwd(r.x, r.y)
+        loss.backward()
+        r.optimizer.step()
+        r.optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    res['moe'] = dict(steps=len(losses), seconds=time.perf_counter() - t0, losses=losses)
+    print(f"Block DAR + MoE, compiled: {len(losses)} steps in {res['moe']['seconds']:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    return res
+
 def summary(xs):
     return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv)
     check(cfg, [count(k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size', 'vocab_size', 'depth_block',
-                                   'rounds', 'decode_tokens', 'runs')] + [count('warmup', 0)])
+                                   'rounds', 'decode_tokens', 'runs', 'moe_steps')] + [count('warmup', 0)])
     # every path's model compiles GPT.forward for training, prefill and decode: more than the default 8 entries
     torch._dynamo.config.recompile_limit = 64
     device = resolve_device(cfg['device'])
@@ -357,8 +420,10 @@ def main(argv):
         return probe_memory(cfg, device, ctx)
     if cfg['compile_probe']:
         return probe_compile(cfg, device, ctx)
-    if cfg['report'] not in ('paths', 'loop', 'compile', 'e2e'):
-        fail(f"--report: unknown report {cfg['report']}; paths, loop, compile or e2e")
+    if cfg['report'] not in ('paths', 'loop', 'compile', 'e2e', 'gpu'):
+        fail(f"--report: unknown report {cfg['report']}; paths, loop, compile, e2e or gpu")
+    if cfg['report'] == 'gpu':
+        return write_json(cfg, dict(gpu=gpu_check(cfg, device, ctx)))
     if cfg['report'] in ('loop', 'e2e'):
         res = loop_ratio(cfg, device, ctx) if cfg['report'] == 'loop' else end_to_end(cfg)
         return write_json(cfg, {cfg['report']: res})
@@ -414,8 +479,9 @@ def main(argv):
         res = dict(path=n, mode=mode, params=runner.params, active_params=runner.active, warmup_s=warmup_s[(n, mode)],
                    peak_memory_mb=memory.get((n, mode)), train_s=summary(t['train']), prefill_s=summary(t['prefill']),
                    train_tok_s=tokens / statistics.median(t['train']), prefill_tok_s=tokens / statistics.median(t['prefill']))
-        for k in ('train', 'prefill', 'decode'): # ratio round by round, then the median
-            res[f'{k}_ratio'] = statistics.median(a / b for a, b in zip(t[k], std[k]))
+        for k in ('train', 'prefill', 'decode'): # ratio round by round, then the median and the spread
+            ratios = [a / b for a, b in zip(t[k], std[k])]
+            res[f'{k}_ratio'], res[f'{k}_ratio_span'] = statistics.median(ratios), (min(ratios), max(ratios))
         res['decode_s_per_token'] = summary(t['decode'])
         res['memory_ratio'] = memory[(n, mode)] / memory[('standard', mode)] if (n, mode) in memory else None
         res['saved_mb'], res['saved_ratio'] = saved[(n, mode)], saved[(n, mode)] / saved[('standard', mode)]
@@ -430,14 +496,15 @@ def main(argv):
                       "CPU peak RSS of a fresh eager process per path over 3 training steps, minus its RSS after imports")
           + "; saved: what a training forward saves for backward, parameters excluded")
     mfu = 'cuda' in device
-    print('| path | mode | params (active) | warm-up s | train ms/step (min-max) | train tok/s | x std | prefill tok/s | x std | '
+    print('| path | mode | params (active) | warm-up s | train ms/step (min-max) | train tok/s | x std (min-max) | prefill tok/s | x std | '
           'decode ms/token | x std | peak MB | x std | saved MB | x std |' + (' MFU |' if mfu else ''))
     print('|---' * (15 + mfu) + '|')
     num = lambda x, f: '-' if x is None else format(x, f)
     for r in results.values():
         tr, dec = r['train_s'], r['decode_s_per_token']
         print(f"| {r['path']} | {r['mode']} | {r['params']:,} ({r['active_params']:,}) | {r['warmup_s']:.0f} "
-              f"| {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) | {r['train_tok_s']:,.0f} | {r['train_ratio']:.2f} "
+              f"| {1e3 * tr['median']:.1f} ({1e3 * tr['min']:.1f}-{1e3 * tr['max']:.1f}) | {r['train_tok_s']:,.0f} "
+              f"| {r['train_ratio']:.2f} ({r['train_ratio_span'][0]:.2f}-{r['train_ratio_span'][1]:.2f}) "
               f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} "
               f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} | {r['saved_mb']:.1f} | {r['saved_ratio']:.2f} |"
               + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))

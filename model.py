@@ -2,9 +2,10 @@
 dar-gpt: one GPT, four residual paths: standard (pre-norm GPT-2), attnres, mhc and dar. The L =
 2*n_layer sublayers keep their pre-norms; a path decides what sublayer l reads and what its output
 y_l does to the state s: begin(e) -> s; read(s, l) -> the streams' reads h, their weights a;
-fuse(l, h, a) -> x_l, the sublayer's input; write(s, l, y_l) -> s; end(s) -> s before the final
-read, l = L. The comment above a line is the equation it computes (../shared/design/equations.md);
-[R] marks our reconstruction of a DAR detail."""
+fuse(s, l, h, a) -> x_l, the sublayer's input; write(s, l, y_l) -> s; end(s) -> s before the
+final read, l = L. The comment above a line is the equation it computes
+(../shared/design/equations.md); [R] marks our reconstruction of a DAR detail. The depth reads
+run as one operation with its backward written out (depth_op.py), equal to depth_read here."""
 
 import math
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-import torch.utils.checkpoint
+
+import depth_op
 
 RESIDUALS = ('standard', 'attnres', 'mhc', 'dar')
 
@@ -205,15 +207,21 @@ class KVCache:
 # depth attention, shared by AttnRes and DAR
 RMS_EPS = 1e-6
 
+def fp32(v):
+    """v in fp32, where the depth scores and rms are computed (zero-init query gradients underflow
+    in bf16); fp64 stays fp64, for the tests that compare in fp64."""
+    return v if v.dtype == torch.float64 else v.float()
+
 def rms(v):
     """rms(v) = sqrt(mean(v^2) + eps) over channels, in fp32: (..., n_embd) -> (...)."""
-    return torch.sqrt(v.float().pow(2).mean(-1) + RMS_EPS)
+    return torch.sqrt(fp32(v).pow(2).mean(-1) + RMS_EPS)
 
-def depth_read(w, g, keys, rms_keys, values):
-    """One reader's softmax over depth. w, g (n_embd,): its pseudo-query and key-norm weight;
-    keys, values: R entries (B, T, n_embd); rms_keys: their rms (B, T). Returns h, a (R, B, T)."""
-    # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r), fp32: zero-init query grads underflow in bf16
-    scores = torch.stack([(k.float() * (g * w)).sum(-1) / rk for k, rk in zip(keys, rms_keys)])
+def depth_read(w, g, keys, values):
+    """One reader's softmax over depth, the definition of depth_op.depth_read, which the model
+    runs. w, g (n_embd,): its pseudo-query and key-norm weight; keys, values: R entries (B, T,
+    n_embd). Returns h and the weights a (R, B, T)."""
+    # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r), fp32
+    scores = torch.stack([(fp32(k) * (g * w)).sum(-1) / rms(k) for k in keys])
     # a_r = softmax over depth r of the scores (no 1/sqrt(n_embd))
     a = scores.softmax(0)
     # h = sum_r a_r v_r: the values are raw, only the keys are normed
@@ -221,35 +229,37 @@ def depth_read(w, g, keys, rms_keys, values):
     return h, a
 
 class DepthState:
-    """What AttnRes and DAR carry through a forward, per stream j: the committed history H^j (with
-    each entry's rms, taken once) and the partial block P^j. A plain class: compile traces it."""
+    """What AttnRes and DAR carry through a forward, per stream j: the committed history H^j and
+    the partial block P^j; and S^j, the handle through which depth_op.depth_read returns the
+    gradient of H^j (depth_op.py says why). A plain class: compile traces it."""
 
     def __init__(self, e, streams):
+        self.H, self.S = [[] for _ in range(streams)], [None] * streams
         # H^j_0 = e
-        self.H = [[e] for _ in range(streams)]
-        self.rms_H = [[rms(e)] for _ in range(streams)]
-        self.P = None # [P^j], or None for P^j = 0 (an empty partial, no candidate)
+        self.P = [e] * streams
+        self.commit()
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0 (nothing to commit when P^j = 0)
-        for H, rms_H, p in zip(self.H, self.rms_H, self.P or []):
-            H.append(p)
-            rms_H.append(rms(p))
+        for j, p in enumerate(self.P or []):
+            self.H[j].append(p)
+            self.S[j] = depth_op.grow(self.S[j], p)
         self.P = None
         return self
 
-    def snapshot(self):
-        """This state as it is now, untouched by later writes (which append to H and rebind P)."""
-        s = DepthState.__new__(DepthState)
-        s.H, s.rms_H, s.P = [list(H) for H in self.H], [list(r) for r in self.rms_H], self.P
-        return s
-
-    def candidates(self, include_partial):
-        """The candidates C^j of every stream j, and their rms: H^j, plus P^j if it is one."""
-        if not include_partial or self.P is None:
-            return self.H, self.rms_H
-        C = [H + [p] for H, p in zip(self.H, self.P)]
-        return C, [r + [rms(p)] for r, p in zip(self.rms_H, self.P)]
+    def read(self, ws, g, routes, gates, include_partial):
+        """x = sum_t gate_t h_t over targets t: h_t = depth_read(ws[t], g, C^k, C^v), keys from
+        stream k and values from stream v, (k, v) = routes[t], over the candidates C^j: H^j, plus
+        P^j if it is one. One operation, depth_op.depth_read; also the weights a (T, R, B, T)."""
+        streams = sorted({j for route in routes for j in route}) # the streams read
+        partial = include_partial and self.P is not None
+        x, a, S = depth_op.depth_read(ws, g, [self.H[j] + ([self.P[j]] if partial else []) for j in streams],
+                                      [(streams.index(k), streams.index(v)) for k, v in routes], gates,
+                                      [self.S[j] for j in streams], [self.P[j] for j in streams] if partial else None,
+                                      RMS_EPS)
+        for j, S_j in zip(streams, S):
+            self.S[j] = S_j
+        return x, a
 
 # the residual paths
 class Standard(nn.Module):
@@ -262,11 +272,11 @@ class Standard(nn.Module):
         # h_0 = e
         return e
 
-    def read(self, h, l):
+    def read(self, h, l, apart=False):
         return [h], None
 
-    def fuse(self, l, h, a):
-        return h[0]
+    def fuse(self, h, l, reads, a):
+        return reads[0]
 
     def write(self, h, l, y):
         # h_l = h_{l-1} + y_l
@@ -289,16 +299,16 @@ class AttnRes(nn.Module):
 
     def begin(self, e):
         # b_0 = e
-        return DepthState(e, 1)
+        s = DepthState(e, 1)
+        s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
+        return s
 
-    def read(self, s, l):
-        # the candidates V = [b_0, ..., b_{n-1}, b_n^{i-1}] of the one stream, and their rms
-        (V,), (rms_V,) = s.candidates(self.include_partial)
-        # x_l = sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r
-        x, a = depth_read(self.query[l], self.key_norm[l], V, rms_V, V)
-        return [x], a
+    def read(self, s, l, apart=False):
+        # x_l = sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, ..., b_{n-1}, b_n^{i-1}]
+        x, a = s.read([s.w[l]], s.g[l], [(0, 0)], None, self.include_partial)
+        return [x], a[0]
 
-    def fuse(self, l, h, a):
+    def fuse(self, s, l, h, a):
         return h[0]
 
     def write(self, s, l, y):
@@ -357,7 +367,7 @@ class MHC(nn.Module):
         # X_i = e
         return MHCState(e.unsqueeze(2).expand(-1, -1, self.n, -1))
 
-    def read(self, s, l):
+    def read(self, s, l, apart=False):
         with torch.autocast(s.X.device.type, enabled=False):
             # xf = RMSNorm(flatten of the n streams), fp32
             xf = F.rms_norm(s.X.flatten(2).float(), (s.X.size(2) * s.X.size(3),), eps=RMS_EPS)
@@ -371,7 +381,7 @@ class MHC(nn.Module):
         # every stream X_i is read whole, weighted by pre_i
         return list(s.X.unbind(2)), pre
 
-    def fuse(self, l, h, pre):
+    def fuse(self, s, l, h, pre):
         # x = sum_i pre_i X_i
         return sum(pre[..., i, None] * X_i for i, X_i in enumerate(h))
 
@@ -422,40 +432,50 @@ class DAR(nn.Module):
 
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
-        return DepthState(e, 2)
+        s = DepthState(e, 2)
+        # every sublayer's parameters, computed for all at once, then as tensors of their own
+        # (depth_op.rows): s.w[l][j] = w^j_l, s.g[l] = g_l
+        s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
+        # alpha_l = sigmoid(a_l), the gate of h^0, and 1 - alpha_l, of h^1: s.gate[l][j]
+        alpha = torch.sigmoid(self.alpha_logit)
+        s.gate = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2)
+        # beta^j_l = 2 * sigmoid(b^j_l), per channel: s.beta[l][j]
+        s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit), 2)
+        # rho_l = sigmoid(r_l): s.rho[l]
+        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.depth_block > 1 else None
+        return s
 
-    def read(self, s, l):
-        # the candidates C^0, C^1 of both streams, and their rms
-        C, rms_C = s.candidates(self.include_partial)
-        h, a = [], []
-        for j in (0, 1):
-            # target j reads the keys of stream keys_from, the values of stream values_from (ROUTES)
-            keys_from, values_from = self.route(j) # DAR: 1 - j and j
-            # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{keys_from}_r)) C^{values_from}_r
-            h_j, a_j = depth_read(self.query[l, j], self.key_norm[l],
-                                  C[keys_from], rms_C[keys_from], C[values_from])
-            if self.sepv:
-                # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
-                h_j = h_j @ self.value_proj[l, j].t()
-            h.append(h_j)
-            a.append(a_j)
-        return h, torch.stack(a) # (2, R, B, T)
+    def read(self, s, l, apart=False):
+        # targets j = 0, 1 read (keys, values) of the streams ROUTES gives; DAR: (1, 0) and (0, 1)
+        routes = [self.route(0), self.route(1)]
+        if apart or self.sepv: # analysis replaces a read; SepV projects each
+            h, a = [], []
+            for j in (0, 1):
+                # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{keys}_r)) C^{values}_r
+                h_j, a_j = s.read([s.w[l][j]], s.g[l], [routes[j]], None, self.include_partial)
+                if self.sepv:
+                    # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
+                    h_j = h_j @ self.value_proj[l, j].t()
+                h.append(h_j)
+                a.append(a_j)
+            return h, torch.cat(a) # (2, R, B, T)
+        # alpha_l h^0 + (1 - alpha_l) h^1, both reads and their fusion in one pass over the candidates
+        x, a = s.read(s.w[l], s.g[l], routes, s.gate[l], self.include_partial)
+        return [x], a
 
-    def fuse(self, l, h, a):
-        # alpha_l = sigmoid(a_l)
-        alpha = torch.sigmoid(self.alpha_logit[l])
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 = h^1 + alpha_l (h^0 - h^1): alpha's gradient keeps one tensor
-        return h[1] + alpha * (h[0] - h[1])
+    def fuse(self, s, l, h, a):
+        if len(h) == 1: # fused by read
+            return h[0]
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1
+        return s.gate[l][0] * h[0] + s.gate[l][1] * h[1]
 
     def write(self, s, l, y):
-        # beta^j = 2 * sigmoid(b^j_l), per channel
-        beta = 2 * torch.sigmoid(self.beta_logit[l]) # (2, n_embd)
+        beta = s.beta[l] # beta^0_l, beta^1_l
         if s.P is None:
             # at the start of a block P^j = 0, so P^j <- beta^j * y_l
             s.P = [beta[0] * y, beta[1] * y]
         else:
-            # rho_l = sigmoid(r_l)
-            rho = torch.sigmoid(self.rho_logit[l])
+            rho = s.rho[l]
             P0, P1 = s.P
             # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 * y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 * y_l
             s.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
@@ -511,23 +531,14 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def read(self, s, l, probe=None):
-        """x_l from read_and_fuse. Compiled with gradients on, a depth read (AttnRes, DAR) is
-        recomputed in backward rather than kept: the history it reads is kept anyway, and its
-        temporaries (each stream's h, the scores) cost 1-4% of the compiled step to recompute,
-        24-29% of the eager step, where they are kept (docs/bench.md). A probe's reads are kept."""
-        if torch.compiler.is_compiling() and torch.is_grad_enabled() and isinstance(s, DepthState) and probe is None:
-            # the recompute reads a snapshot: later writes change s
-            return torch.utils.checkpoint.checkpoint(self.read_and_fuse, s.snapshot(), l, use_reentrant=False)
-        return self.read_and_fuse(s, l, probe)
-
     def read_and_fuse(self, s, l, probe=None):
         """x_l, the input of sublayer l (l = L: of ln_f), from the residual path's reads."""
         res = self.transformer.res
-        h, a = res.read(s, l) # each stream's read, and its weights
+        # each stream's read (apart: DAR's two, not fused in one pass), and its weights
+        h, a = res.read(s, l, apart=probe is not None)
         if probe is not None: # analysis (analyze.py): record, ablate or rescue a stream's read
             h = probe(l, s, h, a)
-        return res.fuse(l, h, a)
+        return res.fuse(s, l, h, a)
 
     def forward(self, idx, targets=None, cache=None, probe=None):
         device = idx.device
@@ -542,18 +553,18 @@ class GPT(nn.Module):
         s = res.begin(e)
         router_stats = [] # of the MoE layers
         for i, layer in enumerate(self.transformer.h):
-            s = res.write(s, 2 * i, layer.attn(layer.ln_1(self.read(s, 2 * i, probe)), cache))
-            y = layer.mlp(layer.ln_2(self.read(s, 2 * i + 1, probe)))
+            s = res.write(s, 2 * i, layer.attn(layer.ln_1(self.read_and_fuse(s, 2 * i, probe)), cache))
+            y = layer.mlp(layer.ln_2(self.read_and_fuse(s, 2 * i + 1, probe)))
             if layer.moe:
                 y, stats = y
                 router_stats.append(stats)
             s = res.write(s, 2 * i + 1, y)
-        x = self.transformer.ln_f(self.read(res.end(s), 2 * self.config.n_layer, probe))
+        x = self.transformer.ln_f(self.read_and_fuse(res.end(s), 2 * self.config.n_layer, probe))
         if cache is not None:
             cache.pos += t
         if targets is not None:
             logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(fp32(logits.view(-1, logits.size(-1))), targets.reshape(-1), ignore_index=-1)
             if router_stats:
                 balance, z = (torch.stack([r[k] for r in router_stats]).mean() for k in ('balance', 'z'))
                 load = torch.stack([r['load'] for r in router_stats]) # (MoE layers, E)

@@ -1,0 +1,174 @@
+// The depth read of depth_op.py on CPU, forward and backward, one pass over the candidates per token
+// (depth_op.py has the equations). Plain C++ with OpenMP and no torch headers: it compiles in a
+// fraction of a second; depth_op.py builds it once and calls it through ctypes.
+// S streams of R candidates each: stream s's candidate r is cand[s * R + r] (N, C), its rms
+// rho (S, R, N), taken in forward. T targets: target t has the query row w[t] (C), reads the keys
+// of stream ks[t] and the values of stream vs[t], and is scaled by *gate[t] (1 if gate is null);
+// g (C) is the key norm's weight, u_t = g * w_t. Weights a and scores sc: (T, R, N). x (N, C) =
+// sum_t gate_t h_t.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#include <omp.h>
+
+// u_t = g * w_t, (T, C)
+template <typename T>
+static std::vector<T> queries(int64_t Tn, int64_t C, const T* g, const T* const* w) {
+    std::vector<T> u(Tn * C);
+    for (int64_t t = 0; t < Tn; t++)
+        for (int64_t c = 0; c < C; c++) u[t * C + c] = g[c] * w[t][c];
+    return u;
+}
+
+template <typename T>
+static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* const* cand,
+                    const T* g, const T* const* w, const int64_t* ks, const int64_t* vs,
+                    const T* const* gate, T eps, T* x, T* a, T* sc, T* rho, int threads) {
+    const std::vector<T> u = queries(Tn, C, g, w);
+    #pragma omp parallel for num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        // rho_r = sqrt(mean(k_r^2) + eps)
+        for (int64_t i = 0; i < S * R; i++) {
+            const T* k = cand[i] + n * C;
+            T sq = 0;
+            #pragma omp simd reduction(+:sq)
+            for (int64_t c = 0; c < C; c++) sq += k[c] * k[c];
+            rho[i * N + n] = std::sqrt(sq / C + eps);
+        }
+        T* xn = x + n * C;
+        for (int64_t c = 0; c < C; c++) xn[c] = 0;
+        for (int64_t t = 0; t < Tn; t++) {
+            const T* ut = u.data() + t * C;
+            T* at = a + t * R * N;
+            T* st = sc + t * R * N;
+            // s_r = (k_r . u) / rho_r
+            T m = -INFINITY;
+            for (int64_t r = 0; r < R; r++) {
+                const T* k = cand[ks[t] * R + r] + n * C;
+                T dot = 0;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t c = 0; c < C; c++) dot += k[c] * ut[c];
+                st[r * N + n] = dot / rho[(ks[t] * R + r) * N + n];
+                m = st[r * N + n] > m ? st[r * N + n] : m;
+            }
+            // a = softmax_r(s)
+            T z = 0;
+            for (int64_t r = 0; r < R; r++) {
+                at[r * N + n] = std::exp(st[r * N + n] - m);
+                z += at[r * N + n];
+            }
+            // x += gate_t sum_r a_r v_r
+            for (int64_t r = 0; r < R; r++) {
+                at[r * N + n] /= z;
+                const T wr = (gate ? *gate[t] : T(1)) * at[r * N + n];
+                const T* v = cand[vs[t] * R + r] + n * C;
+                #pragma omp simd
+                for (int64_t c = 0; c < C; c++) xn[c] += wr * v[c];
+            }
+        }
+    }
+}
+
+// The gradient of stream s's candidate r goes to gout[s * R + r]: the incoming gradient gin[s * R +
+// r] (none where null) plus this read's part, the key part of every target that reads its keys
+// there and the value part of every target that reads its values there.
+template <typename T>
+static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* dx,
+                     const T* const* cand, const T* g, const T* const* w, const int64_t* ks,
+                     const int64_t* vs, const T* const* gate, const T* a, const T* sc, const T* rho,
+                     T* const* gout, const T* const* gin, T* du, T* dgate, int threads) {
+    const std::vector<T> u = queries(Tn, C, g, w);
+    std::vector<T> du_t(threads * Tn * C, T(0)), dgate_t(threads * Tn, T(0));
+    #pragma omp parallel num_threads(threads)
+    {
+        const int th = omp_get_thread_num();
+        T* du_l = du_t.data() + th * Tn * C;
+        T* dgate_l = dgate_t.data() + th * Tn;
+        // per target and candidate: c = ds / rho, kk = -c s / (C rho), w = gate a
+        std::vector<T> cr(Tn * R), kk(Tn * R), w(Tn * R);
+        #pragma omp for
+        for (int64_t n = 0; n < N; n++) {
+            const T* dxn = dx + n * C;
+            for (int64_t t = 0; t < Tn; t++) {
+                const T gt = gate ? *gate[t] : T(1);
+                const T* at = a + t * R * N;
+                // q_r = dx . v_r ; dgate_t = sum_r a_r q_r ; da_r = gate_t q_r
+                T sum_ad = 0;
+                for (int64_t r = 0; r < R; r++) {
+                    const T* v = cand[vs[t] * R + r] + n * C;
+                    T q = 0;
+                    #pragma omp simd reduction(+:q)
+                    for (int64_t c = 0; c < C; c++) q += dxn[c] * v[c];
+                    dgate_l[t] += at[r * N + n] * q;
+                    cr[t * R + r] = gt * q;
+                    sum_ad += at[r * N + n] * gt * q;
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    // ds_r = a_r (da_r - sum_p a_p da_p) ; c_r = ds_r / rho_r
+                    const T rh = rho[(ks[t] * R + r) * N + n];
+                    const T c = at[r * N + n] * (cr[t * R + r] - sum_ad) / rh;
+                    cr[t * R + r] = c;
+                    kk[t * R + r] = -c * sc[t * R * N + r * N + n] / (C * rh);
+                    w[t * R + r] = gt * at[r * N + n];
+                }
+            }
+            for (int64_t s = 0; s < S; s++) {
+                for (int64_t r = 0; r < R; r++) {
+                    // dk_r = c_r (u - s_r k_r / (C rho_r)) for the targets keyed here ; dv_r = gate a_r dx
+                    const T* k = cand[s * R + r] + n * C;
+                    const T* in = gin[s * R + r] ? gin[s * R + r] + n * C : nullptr;
+                    T* out = gout[s * R + r] + n * C;
+                    T kc = 0, vc = 0;
+                    for (int64_t t = 0; t < Tn; t++) {
+                        if (ks[t] == s) kc += kk[t * R + r];
+                        if (vs[t] == s) vc += w[t * R + r];
+                    }
+                    if (in) {
+                        #pragma omp simd
+                        for (int64_t c = 0; c < C; c++) out[c] = in[c] + kc * k[c] + vc * dxn[c];
+                    } else {
+                        #pragma omp simd
+                        for (int64_t c = 0; c < C; c++) out[c] = kc * k[c] + vc * dxn[c];
+                    }
+                    for (int64_t t = 0; t < Tn; t++) {
+                        if (ks[t] != s) continue;
+                        // + c_r u_t ; du_t += c_r k_r
+                        const T c_ = cr[t * R + r];
+                        const T* ut = u.data() + t * C;
+                        T* dut = du_l + t * C;
+                        #pragma omp simd
+                        for (int64_t c = 0; c < C; c++) {
+                            out[c] += c_ * ut[c];
+                            dut[c] += c_ * k[c];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < Tn * C; i++) du[i] = 0;
+    for (int64_t t = 0; t < Tn; t++) dgate[t] = 0;
+    for (int th = 0; th < threads; th++) {
+        for (int64_t i = 0; i < Tn * C; i++) du[i] += du_t[th * Tn * C + i];
+        for (int64_t t = 0; t < Tn; t++) dgate[t] += dgate_t[th * Tn + t];
+    }
+}
+
+#define EXPORT(T, name)                                                                           \
+    extern "C" void forward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,         \
+                                   const T* const* cand, const T* g, const T* const* w,            \
+                                   const int64_t* ks, const int64_t* vs, const T* const* gate,     \
+                                   double eps, T* x, T* a, T* sc, T* rho, int threads) {           \
+        forward<T>(S, R, Tn, N, C, cand, g, w, ks, vs, gate, T(eps), x, a, sc, rho, threads);      \
+    }                                                                                              \
+    extern "C" void backward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,        \
+                                    const T* dx, const T* const* cand, const T* g,                 \
+                                    const T* const* w, const int64_t* ks, const int64_t* vs,       \
+                                    const T* const* gate, const T* a, const T* sc, const T* rho,   \
+                                    T* const* gout, const T* const* gin, T* du, T* dgate,          \
+                                    int threads) {                                                 \
+        backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, a, sc, rho, gout, gin, du, dgate, \
+                    threads);                                                                      \
+    }
+EXPORT(float, float)
+EXPORT(double, double)

@@ -1,0 +1,385 @@
+"""
+The depth read of model.py (model.depth_read, its definition) as one operation with its backward
+written out: the same values and gradients (test_model.py compares them in fp64), built so that
+- one call reads T targets (AttnRes: one; DAR: both, with their fusion) over S streams of
+  candidates, each stream read once per pass;
+- backward keeps only the weights and scores (T, R, B, T) and the rms (S, R, B, T), besides the
+  candidates, which the model keeps anyway: no temporary of the model's width;
+- torch.compile sees every read as one call, of any depth, and generates no code for it;
+- it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), torch ops
+  elsewhere.
+
+Target t reads the keys k_r of one stream and the values v_r of one (the same or another), with
+its pseudo-query w_t, the key-norm weight g (u_t = g * w_t) and a gate gate_t (1 if none):
+    rho_r = sqrt(mean(k_r^2) + eps) ;  s_r = (k_r . u_t) / rho_r ;  a = softmax_r(s)
+    x = sum_t gate_t h_t ,  h_t = sum_r a_r v_r
+Its backward, from dx, with q_r = dx . v_r (per target):
+    dv_r = gate_t a_r dx ;  dgate_t = sum_r a_r q_r
+    c_r = ds_r / rho_r ,  ds_r = a_r (da_r - sum_p a_p da_p) ,  da_r = gate_t q_r
+    dk_r = c_r (u_t - s_r k_r / (C rho_r))      (the second term: the gradient through rho_r)
+    du_t = sum_r c_r k_r ;  dw_t = du_t * g ;  dg = sum_t du_t * w_t
+summed over the targets that read a candidate as a key or as a value.
+
+The gradient of the committed history: a history entry is read by every later sublayer, so its
+gradient is a sum over its readers. In a compiled graph such a sum is one kernel per entry, with
+as many inputs as the entry has readers: new code for every entry, more and larger with depth. So
+each stream's committed entries are data to the read, and their gradient runs through a handle S
+(n, B, T, C) per stream that every read takes and passes on (grow appends an entry): backward
+hands each read the gradient of the reads after it, to which it adds its own part in the same pass
+(dS = dS' + dk + dv, slot by slot). A handle holds no data (an expanded zero). The partial block,
+read by at most a block's sublayers, takes its gradient as a tensor of its own.
+"""
+import os
+import ctypes
+import hashlib
+import threading
+import subprocess
+from typing import Optional
+
+import torch
+
+def fp32(v):
+    return v if v.dtype == torch.float64 else v.float()
+
+def empty_handle(like, n):
+    """A handle (n, *like.shape), fp32 at least (its gradient sums the reads'): no data, an
+    expanded zero."""
+    return like.new_zeros((), dtype=torch.promote_types(like.dtype, torch.float32)).expand(n, *like.shape)
+
+def passed_on(S):
+    """The handle a read passes on for S: the same shape and dtype, no data."""
+    return S.new_zeros(()).expand(S.shape)
+
+# -----------------------------------------------------------------------------
+# on CPU, in fp32 and fp64: depth_op.cpp
+
+CPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'depth_op.cpp')
+ISA_FLAGS = {'AVX2': ['-mavx2', '-mfma'], 'AVX512': ['-mavx512f', '-mavx512dq', '-mavx512vl', '-mavx512bw', '-mfma']}
+_lib = [] # the loaded library, or None where it could not be built
+_lib_lock = threading.Lock()
+
+def library():
+    """depth_op.cpp built for this CPU's vector unit, once (cached by source, flags and compiler
+    in ~/.cache/dar-gpt), and loaded; None, after a one-line warning, where that fails."""
+    with _lib_lock:
+        return _lib[0] if _lib else build()
+
+def build():
+    cxx = os.environ.get('CXX', 'c++')
+    # for the vector unit torch found, not -march=native: machines that share a home share the cache
+    flags = ['-O3', '-fopenmp', '-shared', '-fPIC', *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    with open(CPP, 'rb') as f:
+        key = hashlib.sha256(f.read() + ' '.join([cxx, *flags]).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get('XDG_CACHE_HOME', os.path.expanduser('~/.cache')), 'dar-gpt')
+    path = os.path.join(cache, f'depth_op-{key}.so')
+    try:
+        if not os.path.exists(path):
+            os.makedirs(cache, exist_ok=True)
+            tmp = f'{path}.{os.getpid()}.tmp' # then renamed: a concurrent build never loads half a file
+            subprocess.run([cxx, *flags, CPP, '-o', tmp], check=True, capture_output=True, text=True)
+            os.replace(tmp, path)
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip().splitlines()[-1] if getattr(e, 'stderr', None) else e
+        print(f"depth_op: could not build {CPP} ({detail}); depth reads run as torch ops, slower")
+        lib = None
+    _lib.append(lib)
+    return lib
+
+def on_kernel(tensors):
+    """Whether depth_op.cpp computes a read of these tensors: all on CPU, all fp32 or all fp64."""
+    dtype = tensors[0].dtype
+    return (tensors[0].device.type == 'cpu' and dtype in (torch.float32, torch.float64)
+            and all(t.dtype == dtype for t in tensors) and library() is not None)
+
+def ptr(t):
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+def ptrs(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+
+def int64s(values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+# -----------------------------------------------------------------------------
+# the read, forward and backward: by depth_op.cpp or by torch ops. S streams of R candidates, cand
+# flat (stream s's candidate r at s * R + r); T targets, target t reading the keys of stream
+# routes[2t] and the values of stream routes[2t + 1], with the query row ws[t], the key-norm weight
+# g and the gate gates[t] (no gates: 1).
+
+def read_forward(ws, g, cand, R, routes, gates, eps):
+    """x = sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the rms rho (S, R, B, T)."""
+    S, Tn, dtype = len(cand) // R, len(ws), cand[0].dtype
+    ks, vs = routes[0::2], routes[1::2]
+    if on_kernel(cand + ws + gates + [g]):
+        # (every tensor the kernel reads held by a name here, alive through the call)
+        cand, ws, g = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous()
+        x = torch.empty_like(cand[0])
+        a, s = (cand[0].new_empty((Tn, R, *cand[0].shape[:-1])) for _ in range(2))
+        rho = cand[0].new_empty((S, R, *cand[0].shape[:-1]))
+        fn = library().forward_double if dtype == torch.float64 else library().forward_float
+        fn(*map(ctypes.c_int64, (S, R, Tn, x.numel() // x.size(-1), x.size(-1))), ptrs(cand), ptr(g), ptrs(ws),
+           int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(eps), ptr(x), ptr(a), ptr(s),
+           ptr(rho), ctypes.c_int(torch.get_num_threads()))
+        return x, a, s, rho
+    return read_torch(ws, g, cand, R, routes, gates, eps)
+
+def read_torch(ws, g, cand, R, routes, gates, eps):
+    """read_forward in torch ops."""
+    S, Tn = len(cand) // R, len(ws)
+    ks, vs = routes[0::2], routes[1::2]
+    with torch.autocast(g.device.type, enabled=False): # the caller's autocast would reach in here
+        u = [fp32(g) * fp32(w) for w in ws]
+        # rho_r = sqrt(mean(k_r^2) + eps), fp32
+        rho = torch.stack([torch.sqrt(fp32(k).pow(2).mean(-1) + eps) for k in cand]).unflatten(0, (S, R))
+        a, s, x = [], [], 0
+        for t in range(Tn):
+            # s_r = (k_r . u) / rho_r
+            keys, values = cand[ks[t] * R:(ks[t] + 1) * R], cand[vs[t] * R:(vs[t] + 1) * R]
+            s.append(torch.stack([(fp32(k) * u[t]).sum(-1) for k in keys]) / rho[ks[t]])
+            # a = softmax_r(s)
+            a.append(s[-1].softmax(0))
+            # x += gate_t sum_r a_r v_r
+            weights = a[-1] if not gates else a[-1] * gates[t]
+            x = x + sum(wr.unsqueeze(-1) * v for wr, v in zip(weights, values))
+    return x, torch.stack(a), torch.stack(s), rho
+
+def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS):
+    """From dx and the incoming gradients dS of the S handles (n, B, T, C; n = R or R - 1): the
+    gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
+    last candidate is a partial (n = R - 1), the partials' gradients."""
+    S, Tn, n, dtype = len(cand) // R, len(ws), dS[0].size(0), cand[0].dtype
+    ks, vs = routes[0::2], routes[1::2]
+    gS = [torch.empty_like(d, memory_format=torch.contiguous_format) for d in dS]
+    dP = [torch.empty_like(cand[0], memory_format=torch.contiguous_format) for _ in range(S)] if n < R else []
+    # where each candidate's gradient goes, and what it adds to: its handle's slot, or a partial's
+    gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
+    gin = [t for j in range(S) for t in [*dS[j].unbind(0), None][:R]]
+    with torch.autocast(g.device.type, enabled=False):
+        if on_kernel(cand + ws + gates + [g, dx] + dS):
+            # (every tensor the kernel reads held by a name here, alive through the call)
+            cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
+            gin, a, s, rho = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rho.contiguous()
+            du, dgate = cand[0].new_empty((Tn, g.size(-1))), cand[0].new_empty(Tn)
+            fn = library().backward_double if dtype == torch.float64 else library().backward_float
+            fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptr(g),
+               ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ptr(a), ptr(s), ptr(rho), ptrs(gout),
+               ptrs(gin), ptr(du), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
+        else:
+            u = [fp32(g) * fp32(w) for w in ws]
+            dx = fp32(dx)
+            grads = [0 if t is None else fp32(t) for t in gin]
+            du, dgate = [], []
+            for t in range(Tn):
+                keys, values = cand[ks[t] * R:(ks[t] + 1) * R], cand[vs[t] * R:(vs[t] + 1) * R]
+                gate = 1 if not gates else gates[t]
+                # q_r = dx . v_r ; dgate_t = sum_r a_r q_r ; da_r = gate_t q_r
+                q = torch.stack([torch.linalg.vecdot(dx, fp32(v)) for v in values])
+                dgate.append((a[t] * q).sum())
+                da = gate * q
+                # c_r = a_r (da_r - sum_p a_p da_p) / rho_r
+                c = a[t] * (da - (a[t] * da).sum(0)) / rho[ks[t]]
+                du.append(sum(cr.flatten() @ fp32(k).flatten(0, -2) for cr, k in zip(c, keys)))
+                for r in range(R):
+                    # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate_t a_r dx
+                    k = fp32(keys[r])
+                    dk = c[r].unsqueeze(-1) * (u[t] - (s[t, r] / (k.size(-1) * rho[ks[t], r])).unsqueeze(-1) * k)
+                    grads[ks[t] * R + r] = grads[ks[t] * R + r] + dk
+                    grads[vs[t] * R + r] = grads[vs[t] * R + r] + (gate * a[t, r]).unsqueeze(-1) * dx
+            for out, grad in zip(gout, grads):
+                out.copy_(grad)
+            du, dgate = torch.stack(du), torch.stack(dgate)
+    # dw_t = du_t * g ; dg = sum_t du_t * w_t
+    dws = [(du[t] * g).to(w.dtype) for t, w in enumerate(ws)]
+    dg = sum(du[t] * w for t, w in enumerate(ws)).to(g.dtype)
+    dgates = [dgate[t].to(gt.dtype, copy=True) for t, gt in enumerate(gates)]
+    return dws, dg, dgates, gS, dP
+
+def split(tensors, counts):
+    """Consecutive lists of the given lengths from one flat sequence."""
+    out, i = [], 0
+    for c in counts:
+        out.append(list(tensors[i:i + c]))
+        i += c
+    return out
+
+# -----------------------------------------------------------------------------
+# eager: an autograd.Function (a fraction of a custom operation's dispatch cost)
+
+class DepthRead(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, g, R, routes, eps, counts, *tensors):
+        ws, gates, handles, partials, cand = split(tensors, counts)
+        x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps)
+        ctx.save_for_backward(g, a, s, rho, *ws, *gates, *cand)
+        ctx.mark_non_differentiable(a, s, rho)
+        ctx.R, ctx.routes, ctx.counts = R, routes, counts
+        return x, a, s, rho, *[passed_on(S) for S in handles]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dx, da, ds, drho, *dS):
+        g, a, s, rho, *rest = ctx.saved_tensors
+        Tn, nG, S, nP, nC = ctx.counts
+        ws, gates, cand = split(rest, (Tn, nG, nC))
+        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(dS))
+        return dg, None, None, None, None, *dws, *dgates, *gS, *dP, *[None] * nC
+
+# -----------------------------------------------------------------------------
+# compiled: custom operations, forward and backward, opaque to the compiler
+
+@torch.library.custom_op('dar::depth_read', mutates_args=())
+def _read(ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int, routes: list[int],
+          gates: list[torch.Tensor], eps: float, handles: list[torch.Tensor],
+          partials: list[torch.Tensor]) -> list[torch.Tensor]:
+    x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps)
+    return [x, a, s, rho, *[passed_on(S) for S in handles]]
+
+@_read.register_fake
+def _(ws, g, cand, R, routes, gates, eps, handles, partials):
+    v = cand[0]
+    x = v.new_empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32))
+    a, s = (x.new_empty((len(ws), R, *v.shape[:-1])) for _ in range(2))
+    rho = x.new_empty((len(cand) // R, R, *v.shape[:-1]))
+    return [x, a, s, rho, *[S.new_empty(()).expand(S.shape) for S in handles]]
+
+@torch.library.custom_op('dar::depth_read_backward', mutates_args=())
+def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int,
+                   routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
+                   dS: list[torch.Tensor]) -> list[torch.Tensor]:
+    dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS)
+    return [*dws, dg, *dgates, *gS, *dP]
+
+@_read_backward.register_fake
+def _(dx, ws, g, cand, R, routes, gates, a, s, rho, dS):
+    partial = [torch.empty_like(cand[0]) for _ in dS] if dS[0].size(0) < R else []
+    return ([torch.empty_like(w) for w in ws] + [torch.empty_like(g)] + [torch.empty_like(t) for t in gates]
+            + [torch.empty_like(d) for d in dS] + partial)
+
+def _setup_context(ctx, inputs, output):
+    ws, g, cand, R, routes, gates, eps, handles, partials = inputs
+    ctx.save_for_backward(g, *output[1:4], *ws, *gates, *cand)
+    ctx.mark_non_differentiable(*output[1:4])
+    ctx.R, ctx.routes, ctx.counts = R, routes, (len(ws), len(gates), len(handles), len(partials), len(cand))
+
+def _backward(ctx, grads):
+    g, a, s, rho, *rest = ctx.saved_tensors
+    Tn, nG, S, nP, nC = ctx.counts
+    ws, gates, cand = split(rest, (Tn, nG, nC))
+    out = _read_backward(grads[0], ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(grads[4:]))
+    dws, dg, dgates, gS, dP = split(out, (Tn, 1, nG, S, nP))
+    # the candidates get no gradient as data: it runs through the handles and partials
+    return dws, dg[0], [None] * nC, None, None, dgates, None, gS, dP
+
+_read.register_autograd(_backward, setup_context=_setup_context)
+
+def depth_read(ws, g, cand, routes, gates, handles, partials, eps):
+    """x = sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the targets'
+    query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first (data:
+    their gradients run through handles and partials); routes: per target, the stream of its keys
+    and the stream of its values; gates: per target, or None; handles: per stream, the handle of
+    its committed candidates; partials: per stream, its partial block (the last candidate), or
+    None; eps: the key norm's. Returns x, the weights a (T, R, B, T) and the handles to pass on."""
+    R, flat_routes = len(cand[0]), [j for route in routes for j in route]
+    cand, gates, partials = sum(cand, []), gates or [], partials or []
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        # inference (prefill, decode): traced, so that inductor fuses the reads; at a token a
+        # call of the operation costs more than the read
+        x, a, _, _ = read_torch(ws, g, cand, R, flat_routes, gates, eps)
+        return x, a, handles
+    if torch.compiler.is_compiling():
+        out = _read(ws, g, cand, R, flat_routes, gates, eps, handles, partials)
+    elif not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are
+        x, a, _, _ = read_forward(ws, g, cand, R, flat_routes, gates, eps)
+        return x, a, handles
+    else:
+        counts = (len(ws), len(gates), len(handles), len(partials), len(cand))
+        out = DepthRead.apply(g, R, flat_routes, eps, counts, *ws, *gates, *handles, *partials, *cand)
+    return out[0], out[1], list(out[4:])
+
+# -----------------------------------------------------------------------------
+# the handles
+
+@torch.library.custom_op('dar::grow', mutates_args=())
+def _grow(S: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return empty_handle(p, S.size(0) + 1)
+
+@_grow.register_fake
+def _(S, p):
+    return p.new_empty((), dtype=torch.promote_types(p.dtype, torch.float32)).expand(S.size(0) + 1, *p.shape)
+
+@torch.library.custom_op('dar::take', mutates_args=())
+def _take(dS: torch.Tensor, n: int) -> torch.Tensor:
+    return dS[n].clone()
+
+@_take.register_fake
+def _(dS, n):
+    return dS.new_empty(dS.shape[1:])
+
+def _grow_setup(ctx, inputs, output):
+    ctx.n, ctx.dtype = inputs[0].size(0), inputs[1].dtype
+
+def _grow_backward(ctx, dS):
+    # S's gradient is the first n slots; p's, the last (as a tensor of its own: a view at a constant
+    # offset would make the code that takes it new in every block)
+    return dS[:ctx.n], _take(dS, ctx.n).to(ctx.dtype)
+
+_grow.register_autograd(_grow_backward, setup_context=_grow_setup)
+
+class Grow(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, S, p):
+        ctx.n, ctx.dtype = S.size(0), p.dtype
+        return empty_handle(p, S.size(0) + 1)
+
+    @staticmethod
+    def backward(ctx, dS):
+        return dS[:ctx.n], dS[ctx.n].to(ctx.dtype)
+
+def grow(S, p):
+    """The handle S (n, B, T, C) of a history to which p is appended: (n + 1, B, T, C); S None: []."""
+    if not torch.is_grad_enabled():
+        return S # no backward, no handle
+    S = empty_handle(p, 0) if S is None else S
+    return _grow(S, p) if torch.compiler.is_compiling() else Grow.apply(S, p)
+
+# -----------------------------------------------------------------------------
+# a parameter's rows as tensors of their own, under torch.compile
+
+@torch.library.custom_op('dar::rows', mutates_args=())
+def _rows(p: torch.Tensor) -> list[torch.Tensor]:
+    return [r.clone() for r in p]
+
+@_rows.register_fake
+def _(p):
+    return [p.new_empty(p.shape[1:]) for _ in range(p.size(0))]
+
+@torch.library.custom_op('dar::stack', mutates_args=())
+def _stack(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(grads)
+
+@_stack.register_fake
+def _(grads):
+    return grads[0].new_empty((len(grads), *grads[0].shape))
+
+def _rows_setup(ctx, inputs, output):
+    p, = inputs
+    ctx.shape, ctx.dtype, ctx.device = p.shape[1:], p.dtype, p.device
+
+def _rows_backward(ctx, grads):
+    return _stack([torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device) if g is None else g for g in grads])
+
+_rows.register_autograd(_rows_backward, setup_context=_rows_setup)
+
+def rows(p, dims=1):
+    """p's entries along its first dims dimensions, as nested lists. Compiled for training, each is
+    a tensor of its own: an entry taken by index is a constant offset in the generated code, which
+    would make each sublayer's kernels differ from the others' (inference reads are traced and
+    fused with their neighbours anyway; there a call of the operation would cost more)."""
+    flat = p.flatten(0, dims - 1)
+    flat = _rows(flat) if torch.compiler.is_compiling() and torch.is_grad_enabled() else list(flat.unbind(0))
+    for size in reversed(p.shape[1:dims]):
+        flat = [flat[i:i + size] for i in range(0, len(flat), size)]
+    return flat
