@@ -110,11 +110,20 @@ class Runner:
         self.device = device
 
     def train_step(self):
+        """One training step; its loss."""
         with self.ctx:
             _, loss = self.fwd(self.x, self.y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def cuda_peak_mb(self):
+        """MB of CUDA memory one training step allocates at its peak, above what was allocated."""
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self.train_step()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
 
     @torch.no_grad()
     def prefill(self):
@@ -375,10 +384,7 @@ def gpu_check(cfg, device, ctx):
         ratios = [a / b for a, b in zip(times[n], times['standard'])]
         res['train_s'][n], res['ratio'][n] = summary(times[n]), summary(ratios)
         if 'cuda' in device:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            r.train_step()
-            res['peak_mb'][n] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            res['peak_mb'][n] = r.cuda_peak_mb()
         peak = res['peak_mb'].get(n)
         print(f"| {n} | {1e3 * res['train_s'][n]['median']:.1f} ms | x std {res['ratio'][n]['median']:.3f} "
               f"({res['ratio'][n]['min']:.3f}-{res['ratio'][n]['max']:.3f}) | peak {'-' if peak is None else f'{peak:.0f} MB'} |", flush=True)
@@ -392,15 +398,10 @@ def gpu_check(cfg, device, ctx):
         res['profile'][n] = prof.key_averages().table(sort_by=key, row_limit=12)
         print(f"# profile, 3 training steps of {n}, by {key}\n{res['profile'][n]}", flush=True)
     del runners
-    r = Runner(cfg, 'dar-block+moe', device, ctx, compiled=True)
-    t0, losses = time.perf_counter(), []
-    for _ in range(cfg['moe_steps']):
-        with ctx:
-            _, loss = r.fwd(r.x, r.y)
-        loss.backward()
-        r.optimizer.step()
-        r.optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    with contextlib.redirect_stdout(io.StringIO()):
+        r = Runner(cfg, 'dar-block+moe', device, ctx, compiled=True)
+    t0 = time.perf_counter()
+    losses = [r.train_step().item() for _ in range(cfg['moe_steps'])]
     res['moe'] = dict(steps=len(losses), seconds=time.perf_counter() - t0, losses=losses)
     print(f"Block DAR + MoE, compiled: {len(losses)} steps in {res['moe']['seconds']:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     return res
@@ -465,10 +466,7 @@ def main(argv):
     memory, saved = {}, {row: runner.saved_mb() for row, runner in runners.items()}
     for row, runner in runners.items():
         if 'cuda' in device:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            runner.train_step()
-            memory[row] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            memory[row] = runner.cuda_peak_mb()
         elif row[1] == 'eager': # a compiled process's peak would hold the compiler's memory
             memory[row] = float(run_probe('memory_probe', row[0], argv))
 

@@ -34,11 +34,12 @@ import ctypes
 import hashlib
 import threading
 import subprocess
-from typing import Optional
 
 import torch
 
 def fp32(v):
+    """v in fp32, where the depth scores and rms are computed (zero-init query gradients underflow
+    in bf16); fp64 stays fp64, for the tests that compare in fp64."""
     return v if v.dtype == torch.float64 else v.float()
 
 def empty_handle(like, n):
@@ -242,7 +243,7 @@ def _(ws, g, cand, R, routes, gates, eps, handles, partials):
     x = v.new_empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32))
     a, s = (x.new_empty((len(ws), R, *v.shape[:-1])) for _ in range(2))
     rho = x.new_empty((len(cand) // R, R, *v.shape[:-1]))
-    return [x, a, s, rho, *[S.new_empty(()).expand(S.shape) for S in handles]]
+    return [x, a, s, rho, *[passed_on(S) for S in handles]]
 
 @torch.library.custom_op('dar::depth_read_backward', mutates_args=())
 def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int,
@@ -307,7 +308,7 @@ def _grow(S: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 @_grow.register_fake
 def _(S, p):
-    return p.new_empty((), dtype=torch.promote_types(p.dtype, torch.float32)).expand(S.size(0) + 1, *p.shape)
+    return empty_handle(p, S.size(0) + 1)
 
 @torch.library.custom_op('dar::take', mutates_args=())
 def _take(dS: torch.Tensor, n: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import depth_op
+from depth_op import fp32 # fp32, or fp64 where the tests compare in it
 
 RESIDUALS = ('standard', 'attnres', 'mhc', 'dar')
 
@@ -206,11 +207,6 @@ class KVCache:
 
 # depth attention, shared by AttnRes and DAR
 RMS_EPS = 1e-6
-
-def fp32(v):
-    """v in fp32, where the depth scores and rms are computed (zero-init query gradients underflow
-    in bf16); fp64 stays fp64, for the tests that compare in fp64."""
-    return v if v.dtype == torch.float64 else v.float()
 
 def rms(v):
     """rms(v) = sqrt(mean(v^2) + eps) over channels, in fp32: (..., n_embd) -> (...)."""
