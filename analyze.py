@@ -23,13 +23,15 @@ import os
 import sys
 import glob
 import json
+import contextlib
 
 import numpy as np
 import torch
 
 from model import GPT
 from prepare_data import fail
-from train import check, configure, count, load_checkpoint, open_split, get_batch
+from configurator import check, configure, count, load_checkpoint
+from prepare_data import open_split, get_batch
 
 # -----------------------------------------------------------------------------
 ckpt = 'out/ckpt.pt' # checkpoints, comma-separated; each entry a path or a glob (one group)
@@ -56,10 +58,11 @@ def val_batches(cfg, config, block_size):
     return [get_batch(shards, i, block_size, 'cpu') for i in ix]
 
 class Probe:
-    """analyze.py's view into a forward, through GPT.forward(probe=): called at every read of
-    GPT.read_and_fuse with (l, s, h, a), the sublayer (L = the final read), the state, the streams' reads
-    and their weights. Records the weights of every read and the streams' histories; with ablate
-    = {stream j: None} replaces j's read by its mean over the batch at each position (a mean
+    """analyze.py's view into a forward, attached to the model's residual path while it is used
+    as a context (`with Probe(model) as probe: model(X)`): at every read of DAR or mHC it takes
+    the path's reads apart, res.reads(s, l) -> (h, weights), hands them to __call__ and fuses what
+    it returns, res.fuse(s, l, h, weights); of AttnRes it records the weights. Records the weights of every read and the streams' histories; with
+    ablate = {stream j: None} replaces j's read by its mean over the batch at each position (a mean
     ablation: a zero read would only rescale the pre-normed branch input), with {j: k} by stream
     k's read (rescue). mHC's reads are its streams X_i, weighted by pre; its final readout reads
     no one stream, so it is neither recorded nor replaced."""
@@ -72,25 +75,50 @@ class Probe:
         for j, k in self.ablate.items():
             if k is not None and k in self.ablate:
                 raise ValueError(f"donor={k} must be a stream that is not ablated (ablated: {sorted(self.ablate)})")
-        self.mhc, self.L = cfg.residual == 'mhc', 2 * cfg.n_layer
+        self.res, self.mhc, self.L = model.transformer.res, cfg.residual == 'mhc', 2 * cfg.n_layer
+        self.depth = cfg.residual == 'attnres'
         self.weights = [] # per read: (R, B, T) over the candidates, (streams, R, B, T) for DAR, (n, B, T) for mHC
         self.states = [] # mHC: the streams X at every read
         self.H = None # AttnRes, DAR: the committed histories, per stream
 
-    def __call__(self, l, s, h, a):
+    def __enter__(self):
+        res = self.res
+        if hasattr(res, 'reads'): # DAR, mHC: the streams' reads apart, then fused
+            res.read = lambda s, l: res.fuse(s, l, *self(l, s, *res.reads(s, l)))
+        elif self.depth: # AttnRes: the weights of its one read, recorded from the state
+            begin = type(res).begin
+            res.begin = lambda e: self.recording(begin(res, e))
+        return self
+
+    def __exit__(self, *exc):
+        for name in ('read', 'begin'): # the path's own again
+            self.res.__dict__.pop(name, None)
+
+    def recording(self, s):
+        """The AttnRes state s, each of its depth reads' weights recorded; its history kept."""
+        read_streams = s.read_streams
+        def recorded(*args, **kwargs):
+            x, weights = read_streams(*args, **kwargs)
+            self.weights.append(weights[0].detach())
+            return x, weights
+        s.read_streams, self.H = recorded, s.H
+        return s
+
+    def __call__(self, l, s, h, weights):
+        """The reads h of sublayer l and their weights, as the fusion should take them."""
+        a = weights
         if self.mhc:
-            self.states.append(s.X.detach())
+            self.states.append(s.detach()) # the state: the streams X
             if l == self.L:
-                return h
+                return h, weights
             a = a.permute(2, 0, 1) # pre (B, T, n) -> (n, B, T)
-        elif l == self.L and a is not None:
+        elif l == self.L:
             self.H = s.H
-        if a is not None:
-            self.weights.append(a.detach())
+        self.weights.append(a.detach())
         h = list(h)
         for j, k in self.ablate.items():
             h[j] = h[j].mean(0, keepdim=True).expand_as(h[j]) if k is None else h[k]
-        return h
+        return h, weights
 
     def histories(self):
         """Per stream, its history entries (B, T, C): H^j for DAR and AttnRes; every X_i for mHC."""
@@ -100,8 +128,8 @@ class Probe:
 
 @torch.no_grad()
 def val_loss(model, batches, ablate=None):
-    probe = Probe(model, ablate) if ablate else None
-    return float(np.mean([model(X, Y, probe=probe)[1].item() for X, Y in batches]))
+    with Probe(model, ablate) if ablate else contextlib.nullcontext():
+        return float(np.mean([model(X, Y)[1].item() for X, Y in batches]))
 
 @torch.no_grad()
 def depth_weights(model, batches):
@@ -109,8 +137,8 @@ def depth_weights(model, batches):
     None where a sublayer has fewer candidates."""
     sums = None
     for X, _ in batches:
-        probe = Probe(model)
-        model(X, probe=probe)
+        with Probe(model) as probe:
+            model(X)
         w = [a.mean(dim=(-2, -1)) for a in probe.weights] # each (R,) or (streams, R)
         sums = w if sums is None else [s + x for s, x in zip(sums, w)]
     means = [(s / len(batches)).reshape(-1, s.size(-1)) for s in sums] # (streams, R)
@@ -126,8 +154,8 @@ def stream_cka(model, batches):
     every (r, q); the mean over paired (r = q) and over unpaired (r != q) depths."""
     H = None
     for X, _ in batches:
-        probe = Probe(model)
-        model(X, probe=probe)
+        with Probe(model) as probe:
+            model(X)
         h = [[e.reshape(-1, e.size(-1)) for e in stream] for stream in probe.histories()[:2]]
         H = h if H is None else [[torch.cat([a, b]) for a, b in zip(sa, sb)] for sa, sb in zip(H, h)]
     n = len(H[0])

@@ -39,7 +39,8 @@ from torch._dynamo.utils import counters
 
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
-from train import autocast, check, configure, count, resolve_device, main as train_main, DEFAULTS as TRAIN_DEFAULTS
+from configurator import autocast, check, configure, count, resolve_device
+from train import main as train_main, DEFAULTS as TRAIN_DEFAULTS
 from prepare_data import fail, write_pickle, write_tokens
 
 # -----------------------------------------------------------------------------

@@ -1,11 +1,8 @@
 """
 dar-gpt: one GPT, four residual paths: standard (pre-norm GPT-2), attnres, mhc and dar. The L =
-2*n_layer sublayers keep their pre-norms; a path decides what sublayer l reads and what its output
-y_l does to the state s: begin(e) -> s; read(s, l) -> the streams' reads h, their weights a;
-fuse(s, l, h, a) -> x_l, the sublayer's input; write(s, l, y_l) -> s; end(s) -> s before the
-final read, l = L. The comment above a line is the equation it computes
-(../shared/design/equations.md); [R] marks our reconstruction of a DAR detail. The depth reads
-run as one operation with its backward written out (depth_op.py), equal to depth_read here."""
+2*n_layer sublayers keep their pre-norms; a path makes sublayer l's input and takes its output y_l:
+begin(e) -> s; read(s, l) -> x_l; write(s, l, y_l) -> s. The comment above a line is the equation
+it computes (../shared/design/equations.md; [R]: our reconstruction of a DAR detail)."""
 
 import math
 from dataclasses import dataclass
@@ -17,8 +14,6 @@ from torch.nn import functional as F
 import depth_op
 from depth_op import fp32 # fp32, or fp64 where the tests compare in it
 
-RESIDUALS = ('standard', 'attnres', 'mhc', 'dar')
-
 @dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -28,7 +23,6 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
-    # the residual path
     residual: str = 'standard' # standard | attnres | mhc | dar
     depth_block: int = 1 # attnres, dar: sublayers per depth block (1 = Full, 2*n_layer = one block)
     include_partial: bool = True # attnres, dar: the running partial block is a read candidate
@@ -70,7 +64,7 @@ class GPTConfig:
 # the branches: unchanged by every residual path
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config, layer):
+    def __init__(self, config, i):
         super().__init__()
         # key, query, value projections for all heads, but in a batch
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -78,7 +72,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.layer = layer # index into the KV cache
+        self.i = i # layer i: its keys and values in the KV cache
 
     def forward(self, x, cache=None):
         B, T, C = x.size() # batch size, sequence length, embedding dimensionality (n_embd)
@@ -89,7 +83,7 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
         else:
-            k, v = cache.update(self.layer, k, v) # (B, nh, block_size, hs)
+            k, v = cache.update(self.i, k, v) # (B, nh, block_size, hs)
             # the new token at position p sees the cached positions <= p
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C) # re-assemble all head outputs side by side
@@ -114,20 +108,20 @@ class MoE(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        E, C, H = config.n_expert, config.n_embd, config.expert_hidden or 4 * config.n_embd
+        E, C, D = config.n_expert, config.n_embd, config.expert_hidden or 4 * config.n_embd
         self.k = config.n_expert_active
         self.router = nn.Linear(C, E, bias=False)
-        # stacked experts: expert e computes gelu(x @ c_fc[e] + b_fc[e]) @ c_proj[e] + b_proj[e]
-        self.c_fc = nn.Parameter(torch.randn(E, C, H) * 0.02)
-        self.c_proj = nn.Parameter(torch.randn(E, H, C) * 0.02 / math.sqrt(2 * config.n_layer))
-        self.b_fc = nn.Parameter(torch.zeros(E, H)) if config.bias else None
+        # stacked experts, width D: expert i is gelu(x @ c_fc[i] + b_fc[i]) @ c_proj[i] + b_proj[i]
+        self.c_fc = nn.Parameter(torch.randn(E, C, D) * 0.02)
+        self.c_proj = nn.Parameter(torch.randn(E, D, C) * 0.02 / math.sqrt(2 * config.n_layer))
+        self.b_fc = nn.Parameter(torch.zeros(E, D)) if config.bias else None
         self.b_proj = nn.Parameter(torch.zeros(E, C)) if config.bias else None
-        # n always-on experts of width H are one MLP of width n*H
-        self.shared = MLP(config, config.n_shared_expert * H) if config.n_shared_expert else None
+        # n always-on experts of width D are one MLP of width n*D
+        self.shared = MLP(config, config.n_shared_expert * D) if config.n_shared_expert else None
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        """The output (B, T, C) and the router's load-balancing loss, z-loss and expert load."""
+        """The output (B, T, C); the router's losses and expert load in self.stats."""
         B, T, C = x.size()
         x = x.reshape(-1, C) # (N, C) tokens
         E, k = self.c_fc.size(0), self.k
@@ -141,7 +135,7 @@ class MoE(nn.Module):
         slot_expert = expert.view(-1) # (N*k,)
         order = slot_expert.argsort(stable=True) # slots sorted by expert
         token = order // k
-        counts = torch.zeros(E, dtype=torch.long, device=x.device).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
+        counts = slot_expert.new_zeros(E).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
         ys = self.experts(x[token], counts, slot_expert[order]) # (N*k, C)
         # y = sum_{i in top-k} g_i expert_i(x)
         weighted = ys * gate.view(-1)[order].unsqueeze(-1).to(ys.dtype)
@@ -153,37 +147,46 @@ class MoE(nn.Module):
         balance = E * (f * probs.mean(0)).sum()
         # z-loss = mean over tokens of logsumexp(router logits)^2
         z = torch.logsumexp(logits, -1).pow(2).mean()
-        return self.dropout(y.view(B, T, C)), dict(balance=balance, z=z, load=f.detach())
+        self.stats = dict(balance=balance, z=z, load=f.detach())
+        return self.dropout(y.view(B, T, C))
 
-    def experts(self, xs, counts, e):
-        """expert_e(x) of the rows xs (M, C), grouped by expert e (M,). bf16: one grouped matmul
-        (one graph); fp32, without grouped_mm under compile: a loop over experts (graph break)."""
+    def experts(self, xs, counts, which):
+        """expert_i(x) of the rows xs (M, C), grouped by expert, which (M,) gives each row's. bf16:
+        one grouped matmul (one graph); fp32, no grouped_mm under compile: a loop (graph break)."""
         device = xs.device.type
         autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
-        b_fc = self.b_fc[e] if self.b_fc is not None else 0
-        b_proj = self.b_proj[e] if self.b_proj is not None else 0
+        b_fc = self.b_fc[which] if self.b_fc is not None else 0
+        b_proj = self.b_proj[which] if self.b_proj is not None else 0
         if torch.bfloat16 in (self.c_fc.dtype, autocast):
             offs = counts.cumsum(0).to(torch.int32) # end row of each expert's group
-            h = F.grouped_mm(xs.bfloat16(), self.c_fc.bfloat16(), offs=offs) + b_fc
-            return F.grouped_mm(F.gelu(h).bfloat16(), self.c_proj.bfloat16(), offs=offs) + b_proj
+            u = F.grouped_mm(xs.bfloat16(), self.c_fc.bfloat16(), offs=offs) + b_fc
+            return F.grouped_mm(F.gelu(u).bfloat16(), self.c_proj.bfloat16(), offs=offs) + b_proj
         sizes = counts.tolist()
-        h = F.gelu(torch.cat([xe @ self.c_fc[i] for i, xe in enumerate(xs.split(sizes))]) + b_fc)
-        return torch.cat([he @ self.c_proj[i] for i, he in enumerate(h.split(sizes))]) + b_proj
+        u = F.gelu(torch.cat([x_i @ self.c_fc[i] for i, x_i in enumerate(xs.split(sizes))]) + b_fc)
+        return torch.cat([u_i @ self.c_proj[i] for i, u_i in enumerate(u.split(sizes))]) + b_proj
 
 class Layer(nn.Module):
-    """nanoGPT's Block: the attention and MLP sublayers and their pre-norms, unconnected."""
+    """nanoGPT's Block, its residual additions replaced by the path's read and write. Sublayers
+    count from 0: l = 0..L-1 is f_{l+1} of equations.md; l = L is the final read, into ln_f."""
 
-    def __init__(self, config, layer):
+    def __init__(self, config, i):
         super().__init__()
+        self.l = 2 * i # its sublayers: attention l, MLP l + 1
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer)
+        self.attn = CausalSelfAttention(config, i)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.moe = config.n_expert > 0 and layer % config.moe_every == config.moe_every - 1
+        self.moe = config.n_expert > 0 and i % config.moe_every == config.moe_every - 1
         self.mlp = MoE(config) if self.moe else MLP(config)
 
+    def forward(self, res, s, cache=None):
+        # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
+        s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
+        s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
+        return s
+
 class KVCache:
-    """Static keys and values of every layer, written at a position tensor, read through a mask:
-    static shapes, so a compiled step never recompiles. Depth reads need no cache (per token)."""
+    """Keys and values of every layer, written at a position tensor, read through a mask: static
+    shapes, so a compiled step never recompiles. (Depth reads are per token: no cache.)"""
 
     def __init__(self, model, batch_size, device):
         config, dtype = model.config, model.lm_head.weight.dtype
@@ -198,130 +201,34 @@ class KVCache:
         for t in self.k + self.v + [self.pos]:
             torch._dynamo.mark_static_address(t, guard=False)
 
-    def update(self, layer, k, v):
-        # write the T new positions pos..pos+T-1; return all (the mask hides the unwritten)
+    def update(self, i, k, v):
+        # write layer i's T new positions pos..pos+T-1; return all (the mask hides the unwritten)
         positions = self.pos + torch.arange(k.size(2), device=k.device)
-        self.k[layer].index_copy_(2, positions, k)
-        self.v[layer].index_copy_(2, positions, v)
-        return self.k[layer], self.v[layer]
+        self.k[i].index_copy_(2, positions, k)
+        self.v[i].index_copy_(2, positions, v)
+        return self.k[i], self.v[i]
 
-# depth attention, shared by AttnRes and DAR
-RMS_EPS = 1e-6
+RMS_EPS = 1e-6 # the residual paths' RMSNorms: of mHC's streams, of the depth reads' keys
 
-def rms(v):
-    """rms(v) = sqrt(mean(v^2) + eps) over channels, in fp32: (..., n_embd) -> (...)."""
-    return torch.sqrt(fp32(v).pow(2).mean(-1) + RMS_EPS)
-
-def depth_read(w, g, keys, values):
-    """One reader's softmax over depth, the definition of depth_op.depth_read, which the model
-    runs. w, g (n_embd,): its pseudo-query and key-norm weight; keys, values: R entries (B, T,
-    n_embd). Returns h and the weights a (R, B, T)."""
-    # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r), fp32
-    scores = torch.stack([(fp32(k) * (g * w)).sum(-1) / rms(k) for k in keys])
-    # a_r = softmax over depth r of the scores (no 1/sqrt(n_embd))
-    a = scores.softmax(0)
-    # h = sum_r a_r v_r: the values are raw, only the keys are normed
-    h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values))
-    return h, a
-
-class DepthState:
-    """What AttnRes and DAR carry through a forward, per stream j: the committed history H^j and
-    the partial block P^j; and S^j, the handle through which depth_op.depth_read returns the
-    gradient of H^j (depth_op.py says why). A plain class: compile traces it."""
-
-    def __init__(self, e, streams):
-        self.H, self.S = [[] for _ in range(streams)], [None] * streams
-        # H^j_0 = e
-        self.P = [e] * streams
-        self.commit()
-
-    def commit(self):
-        # H^j.append(P^j) ; P^j = 0 (nothing to commit when P^j = 0)
-        for j, p in enumerate(self.P or []):
-            self.H[j].append(p)
-            self.S[j] = depth_op.grow(self.S[j], p)
-        self.P = None
-        return self
-
-    def read(self, ws, g, routes, gates, include_partial):
-        """x = sum_t gate_t h_t over targets t: h_t = depth_read(ws[t], g, C^k, C^v), keys from
-        stream k and values from stream v, (k, v) = routes[t], over the candidates C^j: H^j, plus
-        P^j if it is one. One operation, depth_op.depth_read; also the weights a (T, R, B, T)."""
-        streams = sorted({j for route in routes for j in route}) # the streams read
-        partial = include_partial and self.P is not None
-        x, a, S = depth_op.depth_read(ws, g, [self.H[j] + ([self.P[j]] if partial else []) for j in streams],
-                                      [(streams.index(k), streams.index(v)) for k, v in routes], gates,
-                                      [self.S[j] for j in streams], [self.P[j] for j in streams] if partial else None,
-                                      RMS_EPS)
-        for j, S_j in zip(streams, S):
-            self.S[j] = S_j
-        return x, a
-
-# the residual paths
 class Standard(nn.Module):
-    """h_0 = e ; h_l = h_{l-1} + f_l(Norm(h_{l-1}))"""
+    """x_0 = e ; x_l = x_{l-1} + f_l(Norm(x_{l-1})): the state is the residual stream x."""
 
     def __init__(self, config):
         super().__init__()
 
     def begin(self, e):
-        # h_0 = e
         return e
 
-    def read(self, h, l, apart=False):
-        return [h], None
+    def read(self, x, l):
+        return x
 
-    def fuse(self, h, l, reads, a):
-        return reads[0]
-
-    def write(self, h, l, y):
-        # h_l = h_{l-1} + y_l
-        return h + y
-
-    def end(self, h):
-        return h
-
-class AttnRes(nn.Module):
-    """Attention Residuals. One stream: its history is b_0 = e and the completed block sums b_1,
-    b_2, ...; its partial is b_n^i, the running sum of the current block. depth_block=1: Full."""
-
-    def __init__(self, config):
-        super().__init__()
-        L, n_embd = 2 * config.n_layer, config.n_embd
-        self.depth_block, self.include_partial = config.depth_block, config.include_partial
-        # row l < L is sublayer l's, row L the final read's
-        self.query = nn.Parameter(torch.zeros(L + 1, n_embd)) # w_l, zero-init: uniform at step 0
-        self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
-
-    def begin(self, e):
-        # b_0 = e
-        s = DepthState(e, 1)
-        s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
-        return s
-
-    def read(self, s, l, apart=False):
-        # x_l = sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, ..., b_{n-1}, b_n^{i-1}]
-        x, a = s.read([s.w[l]], s.g[l], [(0, 0)], None, self.include_partial)
-        return [x], a[0]
-
-    def fuse(self, s, l, h, a):
-        return h[0]
-
-    def write(self, s, l, y):
-        # b_n^i = b_n^{i-1} + y_l
-        s.P = [y if s.P is None else s.P[0] + y]
-        # after the block's last sublayer: commit b_n
-        if (l + 1) % self.depth_block == 0:
-            s.commit()
-        return s
-
-    def end(self, s):
-        # commit the last partial block; the final read is a read like the others
-        return s.commit()
+    def write(self, x, l, y):
+        # x_l = x_{l-1} + y_l
+        return x + y
 
 def sinkhorn(logits, iters=20):
     """Doubly stochastic matrix from logits Z (..., n, n), fp32, by Sinkhorn-Knopp; slow near the
-    identity, so n = 2 takes its limit: [[p, 1-p], [1-p, p]], p/(1-p) = e^{(Z00+Z11-Z01-Z10)/2}."""
+    identity, so n = 2 takes its limit [[p, 1-p], [1-p, p]]."""
     Z = logits.float()
     if Z.size(-1) == 2:
         # p = sigmoid((Z00 + Z11 - Z01 - Z10) / 2)
@@ -333,12 +240,6 @@ def sinkhorn(logits, iters=20):
         M = M / M.sum(-1, keepdim=True)
         M = M / M.sum(-2, keepdim=True)
     return M
-
-class MHCState:
-    """mHC's state: the streams X (B, T, n, C); z = xf @ W of the sublayer read, for its write."""
-
-    def __init__(self, X):
-        self.X, self.z = X, None
 
 class MHC(nn.Module):
     """Manifold-constrained Hyper-Connections: n streams X (B, T, n, C) mixed per token from the
@@ -360,48 +261,127 @@ class MHC(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(n))
 
     def begin(self, e):
-        # X_i = e
-        return MHCState(e.unsqueeze(2).expand(-1, -1, self.n, -1))
+        # X_i = e: the state is the streams X
+        return e.unsqueeze(2).expand(-1, -1, self.n, -1)
 
-    def read(self, s, l, apart=False):
-        with torch.autocast(s.X.device.type, enabled=False):
+    def read(self, X, l):
+        # x_l = sum_i pre_i X_i
+        return self.fuse(X, l, *self.reads(X, l))
+
+    def reads(self, X, l):
+        """The streams X_i, each read whole, and their weights pre; z = xf @ W for the write."""
+        with torch.autocast(X.device.type, enabled=False):
             # xf = RMSNorm(flatten of the n streams), fp32
-            xf = F.rms_norm(s.X.flatten(2).float(), (s.X.size(2) * s.X.size(3),), eps=RMS_EPS)
+            xf = F.rms_norm(X.flatten(2).float(), (X.size(2) * X.size(3),), eps=RMS_EPS)
             if l == len(self.proj): # the final read, a sigmoid-weighted sum of the streams
                 # pre = sigmoid(s_out * xf @ W_out + b_out)
                 pre = torch.sigmoid(self.out_scale * (xf @ self.out_proj) + self.out_bias)
             else:
-                s.z = xf @ self.proj[l] # (B, T, 2n + n*n): xf @ [W_pre | W_post | W_res]
+                self.z = xf @ self.proj[l] # (B, T, 2n + n*n): xf @ [W_pre | W_post | W_res]
                 # pre = sigmoid(s_pre * xf @ W_pre + b_pre)
-                pre = torch.sigmoid(self.scale[l, 0] * s.z[..., :self.n] + self.b_pre[l])
-        # every stream X_i is read whole, weighted by pre_i
-        return list(s.X.unbind(2)), pre
+                pre = torch.sigmoid(self.scale[l, 0] * self.z[..., :self.n] + self.b_pre[l])
+        return list(X.unbind(2)), pre
 
-    def fuse(self, s, l, h, pre):
-        # x = sum_i pre_i X_i
+    def fuse(self, X, l, h, pre):
+        # x_l = sum_i pre_i X_i
         return sum(pre[..., i, None] * X_i for i, X_i in enumerate(h))
 
-    def write(self, s, l, y):
-        n, z = self.n, s.z # z = xf @ W of this sublayer, from read
-        with torch.autocast(s.X.device.type, enabled=False):
+    def write(self, X, l, y):
+        n, z = self.n, self.z # z = xf @ W of this sublayer, from its read
+        with torch.autocast(X.device.type, enabled=False):
             # post = 2 * sigmoid(s_post * xf @ W_post + b_post)
             post = 2 * torch.sigmoid(self.scale[l, 1] * z[..., n:2 * n] + self.b_post[l])
             # M = Sinkhorn(s_res * xf @ W_res + B_res)
             M = sinkhorn(self.scale[l, 2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.B_res[l])
         # X_i <- sum_k M_ik X_k + post_i * y
-        s.X = M @ s.X + post.unsqueeze(-1) * y.unsqueeze(2)
+        return M @ X + post.unsqueeze(-1) * y.unsqueeze(2)
+
+# depth attention, shared by AttnRes and DAR
+def depth_read(w, g, keys, values):
+    """One reader's softmax over depth, the definition of depth_op.depth_read (which the model
+    runs): w, g (n_embd,) its pseudo-query and keys' RMSNorm weight; R keys, values (B, T, C).
+    Scores in fp32 (fp32(v): v in fp32; fp64 stays fp64, for the tests)."""
+    # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6
+    rms = [torch.sqrt(fp32(k).pow(2).mean(-1) + RMS_EPS) for k in keys]
+    # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r)
+    scores = torch.stack([(fp32(k) * (g * w)).sum(-1) / rms_r for k, rms_r in zip(keys, rms)])
+    # a_r = softmax over depth r of the scores (no 1/sqrt(n_embd))
+    weights = scores.softmax(0)
+    # h = sum_r a_r v_r: the values are raw, only the keys are normed
+    h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(weights, values))
+    return h, weights
+
+class DepthState:
+    """What AttnRes and DAR carry, per stream j: the committed history H^j, the partial block P^j
+    (None: P^j = 0), and handle[j], a data-less tensor of H^j's shape through which the operation
+    returns H^j's gradient (depth_op.py: why)."""
+
+    def __init__(self, e, streams, include_partial):
+        self.include_partial = include_partial
+        # H^j_0 = e ; P^j = 0
+        self.H, self.P = [[e] for _ in range(streams)], None
+        self.handle = [depth_op.grow(None, e) for _ in range(streams)]
+
+    def commit(self):
+        # H^j.append(P^j) ; P^j = 0
+        for j, p in enumerate(self.P):
+            self.H[j].append(p)
+            self.handle[j] = depth_op.grow(self.handle[j], p)
+        self.P = None
+
+    def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
+        """x = sum_t fusion_t h_t (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g,
+        C^{key_streams[t]}, C^{value_streams[t]}), as one operation, and the weights (targets, R, B,
+        T). C^j = H^j, plus P^j if included and not 0; P^j also apart: its gradient is a tensor's."""
+        streams = sorted({*key_streams, *value_streams}) # the operation reads these, in this order
+        partial = self.include_partial and self.P is not None
+        C = [self.H[j] + ([self.P[j]] if partial else []) for j in streams]
+        routes = [(streams.index(k), streams.index(v)) for k, v in zip(key_streams, value_streams)]
+        P = [self.P[j] for j in streams] if partial else None
+        handle = [self.handle[j] for j in streams]
+        x, weights, handle = depth_op.depth_read(queries, g, C, routes, fusion, handle, P, RMS_EPS)
+        for j, handle_j in zip(streams, handle):
+            self.handle[j] = handle_j
+        return x, weights
+
+class AttnRes(nn.Module):
+    """Attention Residuals. One stream: its history is b_0 = e and the completed block sums b_1,
+    b_2, ...; its partial is b_n^i, the running sum of the current block. depth_block=1: Full."""
+
+    def __init__(self, config):
+        super().__init__()
+        L, n_embd = 2 * config.n_layer, config.n_embd
+        self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
+        # row l < L is sublayer l's, row L the final read's
+        self.query = nn.Parameter(torch.zeros(L + 1, n_embd)) # w_l, zero-init: uniform at step 0
+        self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
+
+    def begin(self, e):
+        # b_0 = e
+        s = DepthState(e, 1, self.include_partial)
+        s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
         return s
 
-    def end(self, s):
+    def read(self, s, l):
+        # x_l = sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, ..., b_{n-1}, b_n^{i-1}]
+        x, _ = s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])
+        return x
+
+    def write(self, s, l, y):
+        # b_n^i = b_n^{i-1} + y_l
+        s.P = [y if s.P is None else s.P[0] + y]
+        # after a block's K-th sublayer ((l + 1) % K == 0), and after sublayer L - 1: commit b_n
+        if (l + 1) % self.K == 0 or l + 1 == self.L:
+            s.commit()
         return s
 
-# dar_routing -> for target stream j: (the stream of its keys, the stream of its values)
+# dar_routing -> for target j: (the stream of its keys, the stream of its values); SepV: DAR.reads
 ROUTES = {
     'cross': lambda j: (1 - j, j), # DAR: keys RMSNorm(C^{1-j}), values C^j
     'self': lambda j: (j, j), # SelfKV: keys RMSNorm(C^j), values C^j
     'crossv': lambda j: (j, 1 - j), # CrossV: keys RMSNorm(C^j), values C^{1-j}
     'fixed': lambda j: (0, 1), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
-    'sepv': lambda j: (j, j), # SepV: keys RMSNorm(C^j), values W^j_V C^j (projected in DAR.read)
+    'sepv': lambda j: (j, j), # SepV: keys RMSNorm(C^j), values W^j_V C^j
 }
 
 class DAR(nn.Module):
@@ -411,59 +391,61 @@ class DAR(nn.Module):
     def __init__(self, config):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
-        self.depth_block, self.include_partial = config.depth_block, config.include_partial
-        self.route, self.sepv = ROUTES[config.dar_routing], config.dar_routing == 'sepv'
-        # row l < L is sublayer l's, row L the final read's
+        self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
+        # per target j = 0, 1: (the stream of its keys, the stream of its values)
+        self.routes = [ROUTES[config.dar_routing](j) for j in (0, 1)]
+        self.sepv = config.dar_routing == 'sepv'
+        # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
-        self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, shared by both targets
-        self.alpha_logit = nn.Parameter(torch.zeros(L + 1)) # a_l: alpha = sigmoid(a_l) = 0.5 [R]
-        # b^j_l: beta^0 = 1, beta^1 = 2*sigmoid(N(0, 0.5^2)) per channel, against swap symmetry [R]
+        self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, the weight of RMSNorm_l
+        self.alpha_logit = nn.Parameter(torch.zeros(L + 1)) # a_l, init 0: alpha_l = 0.5 [R]
+        # b^j_l: init beta^0 = 1, beta^1 = 2*sigmoid(N(0, 0.5^2)) per channel, against symmetry [R]
         beta_logit = torch.zeros(L, 2, n_embd)
         beta_logit[:, 1].normal_(0, 0.5)
         self.beta_logit = nn.Parameter(beta_logit)
-        if self.depth_block > 1: # with blocks of 1 a write never meets a partial: no rho
-            self.rho_logit = nn.Parameter(torch.full((L,), 2.0)) # r_l: rho = sigmoid(2) ~ 0.88 [R]
+        if self.K > 1: # with blocks of 1 a write never meets a partial: no rho
+            self.rho_logit = nn.Parameter(torch.full((L,), 2.0)) # r_l, init 2: rho_l ~ 0.88 [R]
         if self.sepv: # W^j_V, init I [R]
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
-        s = DepthState(e, 2)
-        # every sublayer's parameters, computed for all at once, then as tensors of their own
-        # (depth_op.rows): s.w[l][j] = w^j_l, s.g[l] = g_l
+        s = DepthState(e, 2, self.include_partial)
+        # every sublayer's parameters as rows, tensors of their own (under compile a row taken by
+        # index would make each sublayer's code differ): s.w[l][j] = w^j_l, s.g[l] = g_l
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
-        # alpha_l = sigmoid(a_l), the gate of h^0, and 1 - alpha_l, of h^1: s.gate[l][j]
+        # s.fusion[l] = (alpha_l, 1 - alpha_l), alpha_l = sigmoid(a_l): the weights of h^0 and h^1
         alpha = torch.sigmoid(self.alpha_logit)
-        s.gate = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2)
-        # beta^j_l = 2 * sigmoid(b^j_l), per channel: s.beta[l][j]
+        s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2)
+        # s.beta[l][j] = beta^j_l = 2 * sigmoid(b^j_l), per channel
         s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit), 2)
-        # rho_l = sigmoid(r_l): s.rho[l]
-        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.depth_block > 1 else None
+        # s.rho[l] = rho_l = sigmoid(r_l)
+        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else None
         return s
 
-    def read(self, s, l, apart=False):
-        # targets j = 0, 1 read (keys, values) of the streams ROUTES gives; DAR: (1, 0) and (0, 1)
-        routes = [self.route(0), self.route(1)]
-        if apart or self.sepv: # analysis replaces a read; SepV projects each
-            h, a = [], []
-            for j in (0, 1):
-                # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{keys}_r)) C^{values}_r
-                h_j, a_j = s.read([s.w[l][j]], s.g[l], [routes[j]], None, self.include_partial)
-                if self.sepv:
-                    # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
-                    h_j = h_j @ self.value_proj[l, j].t()
-                h.append(h_j)
-                a.append(a_j)
-            return h, torch.cat(a) # (2, R, B, T)
-        # alpha_l h^0 + (1 - alpha_l) h^1, both reads and their fusion in one pass over the candidates
-        x, a = s.read(s.w[l], s.g[l], routes, s.gate[l], self.include_partial)
-        return [x], a
+    def read(self, s, l):
+        if self.sepv: # SepV projects each target's read before the fusion
+            return self.fuse(s, l, *self.reads(s, l))
+        queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
+        # target j: the keys of stream k_j, RMSNorm'd with g_l; the values of stream v_j, raw
+        (k0, v0), (k1, v1) = self.routes # DAR: k_j = 1 - j, v_j = j
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (fuse), h^j = depth_read(w^j_l, g_l, C^{k_j}, C^{v_j}):
+        # both reads and the fusion as one operation (arguments: keys' streams, values' streams)
+        x, _ = s.read_streams(queries, g, [k0, k1], [v0, v1], fusion)
+        return x
 
-    def fuse(self, s, l, h, a):
-        if len(h) == 1: # fused by read
-            return h[0]
+    def reads(self, s, l):
+        """h^0, h^1 apart and their weights (2, R, B, T): SepV's reads, and analyze.py's."""
+        apart = [s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)]
+        h = [h_j for h_j, _ in apart]
+        if self.sepv:
+            # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
+            h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
+        return h, torch.cat([weights for _, weights in apart])
+
+    def fuse(self, s, l, h, weights):
         # x_l = alpha_l h^0 + (1 - alpha_l) h^1
-        return s.gate[l][0] * h[0] + s.gate[l][1] * h[1]
+        return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
         beta = s.beta[l] # beta^0_l, beta^1_l
@@ -471,39 +453,34 @@ class DAR(nn.Module):
             # at the start of a block P^j = 0, so P^j <- beta^j * y_l
             s.P = [beta[0] * y, beta[1] * y]
         else:
-            rho = s.rho[l]
-            P0, P1 = s.P
-            # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 * y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 * y_l
+            rho, (P0, P1) = s.rho[l], s.P
+            # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
             s.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
-        # after the block's last sublayer: H^j.append(P^j); P^j = 0
-        if (l + 1) % self.depth_block == 0:
+        # after a block's K-th sublayer ((l+1) % K == 0) and sublayer L-1 [R]: H^j.append(P^j); P^j = 0
+        if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
 
-    def end(self, s):
-        # commit the last partials; the final read is a reciprocal read and fusion as before [R]
-        return s.commit()
+RESIDUALS = dict(standard=Standard, attnres=AttnRes, mhc=MHC, dar=DAR) # residual= picks one
 
 class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.config = config
-        residual = dict(standard=Standard, attnres=AttnRes, mhc=MHC, dar=DAR)[config.residual]
         self.transformer = nn.ModuleDict(dict(
             wte = nn.Embedding(config.vocab_size, config.n_embd),
             wpe = nn.Embedding(config.block_size, config.n_embd),
             drop = nn.Dropout(config.dropout),
             h = nn.ModuleList([Layer(config, i) for i in range(config.n_layer)]),
             ln_f = nn.LayerNorm(config.n_embd, bias=config.bias),
-            res = residual(config), # no parameters for the standard path: nanoGPT's state_dict
+            res = RESIDUALS[config.residual](config), # standard has no parameters: nanoGPT's names
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.moe_stats = None # MoE: the last forward's LM loss, router losses, expert load (logs)
         # weight tying (https://paperswithcode.com/method/weight-tying)
         self.transformer.wte.weight = self.lm_head.weight
-        # init all weights, then the scaled init of the residual projections, per GPT-2 paper
-        # (the residual paths' parameters keep their own init)
+        # init all weights (not the paths'), then GPT-2's scaled init of the residual projections
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith('c_proj.weight'):
@@ -527,16 +504,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def read_and_fuse(self, s, l, probe=None):
-        """x_l, the input of sublayer l (l = L: of ln_f), from the residual path's reads."""
-        res = self.transformer.res
-        # each stream's read (apart: DAR's two, not fused in one pass), and its weights
-        h, a = res.read(s, l, apart=probe is not None)
-        if probe is not None: # analysis (analyze.py): record, ablate or rescue a stream's read
-            h = probe(l, s, h, a)
-        return res.fuse(s, l, h, a)
-
-    def forward(self, idx, targets=None, cache=None, probe=None):
+    def forward(self, idx, targets=None, cache=None):
         device = idx.device
         b, t = idx.size()
         assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
@@ -545,25 +513,20 @@ class GPT(nn.Module):
             pos = cache.pos + pos
             cache.mask = torch.arange(self.config.block_size, device=device) <= pos[:, None]
         e = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)) # (b, t, C)
-        res = self.transformer.res
+        res = self.transformer.res # the residual path: RESIDUALS[config.residual], one of four
         s = res.begin(e)
-        router_stats = [] # of the MoE layers
-        for i, layer in enumerate(self.transformer.h):
-            s = res.write(s, 2 * i, layer.attn(layer.ln_1(self.read_and_fuse(s, 2 * i, probe)), cache))
-            y = layer.mlp(layer.ln_2(self.read_and_fuse(s, 2 * i + 1, probe)))
-            if layer.moe:
-                y, stats = y
-                router_stats.append(stats)
-            s = res.write(s, 2 * i + 1, y)
-        x = self.transformer.ln_f(self.read_and_fuse(res.end(s), 2 * self.config.n_layer, probe))
+        for layer in self.transformer.h:
+            s = layer(res, s, cache)
+        x = self.transformer.ln_f(res.read(s, 2 * self.config.n_layer))
         if cache is not None:
             cache.pos += t
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(fp32(logits.view(-1, logits.size(-1))), targets.reshape(-1), ignore_index=-1)
-            if router_stats:
-                balance, z = (torch.stack([r[k] for r in router_stats]).mean() for k in ('balance', 'z'))
-                load = torch.stack([r['load'] for r in router_stats]) # (MoE layers, E)
+            moe = [layer.mlp.stats for layer in self.transformer.h if layer.moe]
+            if moe:
+                balance, z = (torch.stack([r[k] for r in moe]).mean() for k in ('balance', 'z'))
+                load = torch.stack([r['load'] for r in moe]) # (MoE layers, E)
                 self.moe_stats = dict(lm=loss.detach(), balance=balance.detach(), z=z.detach(), load=load)
                 # loss = LM loss + c_aux * load balance + c_z * z-loss
                 loss = loss + self.config.moe_aux_loss_coef * balance + self.config.moe_z_loss_coef * z
@@ -576,8 +539,7 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, checkpoint):
         """A model from a checkpoint dict, ours or nanoGPT's (of a compiled model too)."""
-        # two_phase, a speed option of old checkpoints, is gone (slower under compile, same result);
-        # a compiled model's state_dict names carry the prefix '_orig_mod.'
+        # old checkpoints' two_phase (speed) is gone; a compiled model's names carry '_orig_mod.'
         model = cls(GPTConfig(**{k: v for k, v in checkpoint['model_args'].items() if k != 'two_phase'}))
         model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
         return model
@@ -598,20 +560,18 @@ class GPT(nn.Module):
         return optimizer
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model flops utilization against the bf16 dense peak of this GPU (PaLM Appendix B flops:
-        6N + 12LHQT per token; the depth reads are not counted). None if the peak is unknown."""
-        # bf16 dense peak flops of this GPU (vendor datasheets)
+        """Model flops utilization against the bf16 dense peak of this GPU (PaLM Appendix B flops;
+        the depth reads are not counted). None if the peak is unknown."""
+        # bf16 dense peak flops (vendor datasheets)
         peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12}
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
         peak = next((v for k, v in peaks.items() if k in name), None)
         if peak is None:
             return None
-        N = self.get_num_params(active=True)
-        cfg = self.config
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
-        flops_per_token = 6*N + 12*L*H*Q*T
-        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
-        return flops_per_iter / dt / peak
+        N, cfg = self.get_num_params(active=True), self.config
+        n_layer, n_head, hs, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
+        flops_per_token = 6*N + 12*n_layer*n_head*hs*T
+        return flops_per_token * T * fwdbwd_per_iter / dt / peak
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, forward=None):
@@ -619,11 +579,14 @@ class GPT(nn.Module):
         again in full (positions are absolute). forward: self, or a compiled model (sample.py)."""
         forward = self if forward is None else forward
         cache, T = KVCache(self, idx.size(0), idx.device), self.config.block_size
-        # the last T tokens, copied (a view's strides grow with idx: a recompile each time; and
-        # .contiguous() keeps the view at batch 1, where a size-1 dim's stride is ignored)
+        # the last T tokens, copied (a view's strides grow with idx: a recompile each time)
         crop = lambda idx: idx[:, -T:].clone(memory_format=torch.contiguous_format)
-        logits, _ = forward(crop(idx), cache=cache) # prefill
-        for i in range(max_new_tokens):
+        tokens = crop(idx) # to prefill
+        for _ in range(max_new_tokens):
+            if idx.size(1) > T: # the window slides: run it again from position 0
+                cache.pos.zero_()
+                tokens = crop(idx)
+            logits, _ = forward(tokens, cache=cache)
             # pluck the logits at the final step and scale by desired temperature
             logits = logits[:, -1, :] / temperature
             # optionally crop the logits to only the top k options
@@ -633,11 +596,5 @@ class GPT(nn.Module):
             probs = F.softmax(logits, dim=-1)
             idx_next = torch.multinomial(probs, num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
-            if i == max_new_tokens - 1:
-                break
-            if idx.size(1) > T: # the window slides: run it again from position 0
-                cache.pos.zero_()
-                logits, _ = forward(crop(idx), cache=cache)
-            else:
-                logits, _ = forward(idx_next, cache=cache)
+            tokens = idx_next
         return idx

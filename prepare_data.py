@@ -13,10 +13,12 @@ GPT-2 BPE with <|endoftext|> before every document, tokenised by --num_proc proc
   python prepare_data.py docs --input=my.jsonl  # local JSON lines, one document per line in "text"
 
 Offline, pass the text with --input and the GPT-2 vocabulary folder (vocab.bpe +
-encoder.json) with --gpt2_dir or the DAR_GPT2_DIR environment variable.
+encoder.json) with --gpt2_dir or the DAR_GPT2_DIR environment variable. open_split and get_batch
+below read the files back (train.py, analyze.py).
 """
 import os
 import sys
+import glob
 import json
 import pickle
 import hashlib
@@ -25,6 +27,7 @@ import urllib.request
 import multiprocessing as mp
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 SHAKESPEARE_URL = 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt'
@@ -110,6 +113,36 @@ def write_pickle(path, obj):
     with open(tmp, 'wb') as f:
         pickle.dump(obj, f)
     os.replace(tmp, path)
+
+def open_split(data_dir, split, block_size):
+    """The uint16 token files of a split: data_dir/split.bin, or the shards data_dir/split_*.bin
+    of a large corpus. Returns [(path, number of windows of block_size + 1 tokens)]."""
+    path = os.path.join(data_dir, f'{split}.bin')
+    paths = [path] if os.path.exists(path) else sorted(glob.glob(os.path.join(data_dir, f'{split}_*.bin')))
+    if not paths:
+        fail(f"no {path}: prepare the data first (python prepare_data.py), or set --data_dir / --dataset")
+    n = [os.path.getsize(p) // 2 for p in paths]
+    if max(n) <= block_size:
+        fail(f"{paths[0]} has {max(n)} tokens, fewer than block_size+1 = {block_size + 1}")
+    return [(p, k - block_size) for p, k in zip(paths, n) if k > block_size]
+
+def get_batch(shards, ix, block_size, device):
+    """Inputs and targets of the windows ix, indices into all windows of all shards in turn."""
+    ix, ends = ix.numpy(), np.cumsum([w for _, w in shards])
+    shard = np.searchsorted(ends, ix, side='right') # the shard of each window
+    start = ix - np.concatenate(([0], ends))[shard] # and where it starts there
+    xy = np.empty((len(ix), block_size + 1), dtype=np.int64)
+    for s in np.unique(shard):
+        # recreate np.memmap every batch to avoid a memory leak, as per
+        # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
+        data = np.memmap(shards[s][0], dtype=np.uint16, mode='r')
+        rows = shard == s
+        xy[rows] = data[start[rows, None] + np.arange(block_size + 1)] # (rows, block_size + 1)
+    x, y = torch.from_numpy(xy[:, :-1].copy()), torch.from_numpy(xy[:, 1:].copy())
+    if 'cuda' in device:
+        # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
 
 def pieces(text):
     """The text in pieces of about CHUNK characters, with a tqdm bar when it is large. Each cut

@@ -12,7 +12,7 @@ import torch
 
 from model import GPT
 from prepare_data import fail, gpt2_encoding
-from train import autocast, check, configure, count, load_checkpoint, resolve_device
+from configurator import autocast, check, configure, count, load_checkpoint, resolve_device
 
 # -----------------------------------------------------------------------------
 out_dir = 'out' # the checkpoint is out_dir/ckpt.pt

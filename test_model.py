@@ -13,7 +13,6 @@ import sys
 import json
 import math
 import re
-import copy
 import pickle
 import subprocess
 import contextlib
@@ -225,7 +224,7 @@ def naive_sinkhorn(logits, iters=20):
 
 def naive_mhc(model, idx):
     res, cfg = model.transformer.res, model.config
-    n, C = cfg.mhc_streams, cfg.n_embd
+    n = cfg.mhc_streams
     e = embed(model, idx)
     X = [e for _ in range(n)]
     def normed_flat(X):
@@ -451,12 +450,12 @@ def test_depth_op_keeps_only_weights_scores_and_rms_for_backward():
     e = torch.randn(2, 16, 32, requires_grad=True)
     s = model.transformer.res.begin(e)
     for l in range(3):
-        x, _ = model.transformer.res.read(s, l)
-        s = model.transformer.res.write(s, l, x[0] * 1.0)
+        x = model.transformer.res.read(s, l)
+        s = model.transformer.res.write(s, l, x * 1.0)
     candidates = {t.untyped_storage().data_ptr() for H in s.H for t in H} | {t.untyped_storage().data_ptr() for t in s.P}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        x, a = model.transformer.res.read(s, 3)
+        model.transformer.res.read(s, 3)
     big = [t for t in saved if t.numel() >= 16 * 32 and t.untyped_storage().data_ptr() not in candidates]
     assert big == [] and len(saved) > 0
 
@@ -629,7 +628,7 @@ def test_attnres_at_init_reads_a_uniform_mean():
     for kw in (dict(), dict(depth_block=4)):
         model = GPT(tiny(residual='attnres', **kw))
         probe = analyze.Probe(model)
-        model(torch.randint(0, 50, (2, 16)), probe=probe)
+        probed(model, probe, torch.randint(0, 50, (2, 16)))
         assert len(probe.weights) == 2 * model.config.n_layer + 1
         for a in probe.weights:
             torch.testing.assert_close(a, torch.full_like(a, 1 / a.size(0)))
@@ -699,8 +698,8 @@ def test_dar_streams_differ_after_a_step_and_routing_matters():
     idx = torch.randint(0, 50, (2, 16))
     cross, own = analyze.Probe(model), analyze.Probe(self_kv)
     with torch.no_grad():
-        model(idx, probe=cross)
-        self_kv(idx, probe=own)
+        probed(model, cross, idx)
+        probed(self_kv, own, idx)
     for h0, h1 in zip(*cross.histories()):
         if h0 is not cross.histories()[0][0]: # the embedding entry is shared
             assert not torch.allclose(h0, h1)
@@ -715,7 +714,7 @@ def test_dar_without_symmetry_breaking_keeps_the_streams_identical():
         model.transformer.res.beta_logit.zero_()
     one_step(model)
     probe = analyze.Probe(model)
-    model(torch.randint(0, 50, (2, 16)), probe=probe)
+    probed(model, probe, torch.randint(0, 50, (2, 16)))
     for h0, h1 in zip(*probe.histories()):
         torch.testing.assert_close(h0, h1)
 
@@ -733,6 +732,11 @@ def test_dar_fixed_routing_uses_stream0_keys_and_stream1_values_for_both_targets
             only1 = full_logits(model, idx)
         assert torch.allclose(only0, only1, atol=1e-6) == same
 
+def probed(model, probe, *args):
+    """model(*args) with analyze.py's probe attached to its residual path."""
+    with probe:
+        return model(*args)
+
 def ablated(model, j, donor=None):
     """analyze.py's probe that replaces stream j's read by its batch mean, or by the donor's read."""
     return analyze.Probe(model, {j: donor})
@@ -742,8 +746,8 @@ def test_dar_ablating_a_stream_changes_the_loss():
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
         clean = model(idx, idx)[1]
-        assert model(idx, idx, probe=ablated(model, 0))[1] != clean
-        assert model(idx, idx, probe=ablated(model, 1))[1] != clean
+        assert probed(model, ablated(model, 0), idx, idx)[1] != clean
+        assert probed(model, ablated(model, 1), idx, idx)[1] != clean
     with pytest.raises(ValueError, match='multi-stream'):
         ablated(make('standard'), 0)
 
@@ -754,7 +758,7 @@ def test_dar_rescue_reads_the_donor_stream(name):
     model = make(name)
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
-        rescued = [model(idx, idx, probe=ablated(model, j, donor=1 - j))[0] for j in (0, 1)]
+        rescued = [probed(model, ablated(model, j, donor=1 - j), idx, idx)[0] for j in (0, 1)]
         for j, sign in ((0, -1.0), (1, 1.0)): # donor 1: alpha -> 0; donor 0: alpha -> 1
             model.transformer.res.alpha_logit.fill_(sign * 30.0)
             assert torch.allclose(rescued[j], full_logits(model, idx), atol=1e-5)
@@ -769,8 +773,8 @@ def test_ablation_replaces_a_read_by_its_batch_mean(name):
     mixed = torch.randint(0, 50, (3, 16))
     with torch.no_grad():
         for j in (0, 1):
-            assert torch.allclose(model(same, same, probe=ablated(model, j))[0], full_logits(model, same), atol=1e-5)
-            assert not torch.allclose(model(mixed, mixed, probe=ablated(model, j))[0], full_logits(model, mixed), atol=1e-4)
+            assert torch.allclose(probed(model, ablated(model, j), same, same)[0], full_logits(model, same), atol=1e-5)
+            assert not torch.allclose(probed(model, ablated(model, j), mixed, mixed)[0], full_logits(model, mixed), atol=1e-4)
 
 def test_mhc_rescue_reads_the_donor_stream():
     """Stream j read as stream k: a model whose streams are equal reads as if clean."""
@@ -778,16 +782,16 @@ def test_mhc_rescue_reads_the_donor_stream():
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
         clean, _ = model(idx, idx)
-        mean, _ = model(idx, idx, probe=ablated(model, 0))
-        rescued, _ = model(idx, idx, probe=ablated(model, 0, donor=1))
+        mean, _ = probed(model, ablated(model, 0), idx, idx)
+        rescued, _ = probed(model, ablated(model, 0, donor=1), idx, idx)
         assert not torch.allclose(rescued, clean) and not torch.allclose(rescued, mean)
         res = model.transformer.res # streams stay equal: M mixes equal rows, post writes the same to both
         res.proj[:, :, 2:].zero_()
         res.b_post.zero_()
         res.B_res.zero_()
         clean, _ = model(idx, idx)
-        assert torch.allclose(model(idx, idx, probe=ablated(model, 0, donor=1))[0], clean, atol=1e-5)
-        assert torch.allclose(model(idx, idx, probe=ablated(model, 1, donor=0))[0], clean, atol=1e-5)
+        assert torch.allclose(probed(model, ablated(model, 0, donor=1), idx, idx)[0], clean, atol=1e-5)
+        assert torch.allclose(probed(model, ablated(model, 1, donor=0), idx, idx)[0], clean, atol=1e-5)
 
 # -----------------------------------------------------------------------------
 # train.py, sample.py, prepare_data.py
@@ -937,7 +941,7 @@ def test_moe_with_one_expert_equals_the_dense_mlp():
         moe.c_proj[0] = mlp.c_proj.weight.t()
         moe.b_proj[0] = mlp.c_proj.bias.normal_()
     x = torch.randn(2, 16, 32)
-    torch.testing.assert_close(moe(x)[0], mlp(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe(x), mlp(x), atol=1e-5, rtol=1e-5)
 
 def naive_moe(moe, x):
     """One token at a time: softmax by exp / sum, top-k, renormalised gates, experts one by one."""
@@ -971,14 +975,14 @@ def random_moe():
 def test_moe_matches_naive_per_token_reference():
     moe, x = random_moe()
     with torch.no_grad():
-        torch.testing.assert_close(moe(x)[0], naive_moe(moe, x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(moe(x), naive_moe(moe, x), atol=1e-5, rtol=1e-5)
 
 def test_moe_grouped_mm_in_bf16_matches_naive_reference():
     """Under bf16 autocast the experts run as one grouped matmul: the fp32 per-token reference
     within bf16 rounding."""
     moe, x = random_moe()
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16):
-        got = moe(x)[0]
+        got = moe(x)
     torch.testing.assert_close(got.float(), naive_moe(moe, x), atol=2e-2, rtol=2e-2)
 
 @pytest.mark.slow
@@ -986,8 +990,8 @@ def test_moe_compiled_bf16_equals_eager_bf16():
     moe, x = random_moe()
     x.requires_grad_(True)
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        want = moe(x)[0]
-        got = torch.compile(moe, fullgraph=True)(x)[0]
+        want = moe(x)
+        got = torch.compile(moe, fullgraph=True)(x)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
     g = torch.randn_like(want, dtype=torch.float)
     (want_grad,) = torch.autograd.grad((want.float() * g).sum(), x)
@@ -1010,9 +1014,9 @@ def test_moe_token_output_does_not_depend_on_the_batch():
         moe.router.weight.normal_() # decisive routing: each token picks different experts
     x = torch.randn(4, 16, 32)
     with torch.no_grad():
-        batched = moe(x)[0]
+        batched = moe(x)
         for b in range(4):
-            torch.testing.assert_close(moe(x[b:b + 1, 3:4])[0], batched[b:b + 1, 3:4], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(moe(x[b:b + 1, 3:4]), batched[b:b + 1, 3:4], atol=1e-6, rtol=1e-6)
 
 def test_moe_balance_loss_formula():
     torch.manual_seed(0)
@@ -1027,7 +1031,8 @@ def test_moe_balance_loss_formula():
         x[..., :4] = 0
         for t, e in enumerate([0, 0, 0, 1, 1, 2, 3, 3]):
             x[0, t, e] = 1.0
-        _, stats = moe(x)
+        moe(x)
+        stats = moe.stats
         probs = F.softmax(x[0, :, :4] * 10, -1)
         f = torch.tensor([3, 2, 1, 2]) / 8
         torch.testing.assert_close(stats['balance'], 4 * (f * probs.mean(0)).sum())
@@ -1037,7 +1042,8 @@ def test_moe_balance_loss_formula():
         cfg2 = tiny(n_expert=4, n_expert_active=4)
         uniform = MoE(cfg2)
         uniform.router.weight.zero_()
-        torch.testing.assert_close(uniform(x)[1]['balance'], torch.tensor(1.0))
+        uniform(x)
+        torch.testing.assert_close(uniform.stats['balance'], torch.tensor(1.0))
 
 @pytest.mark.parametrize('name', [n for n in PATHS if n.endswith('+moe')])
 def test_moe_gradient_reaches_router_and_selected_experts(name):
@@ -1666,6 +1672,19 @@ def doc_files():
 def code_text():
     return '\n'.join(open(p).read() for p in glob.glob(os.path.join(ROOT, '**', '*.py'), recursive=True))
 
+def defined(owner, name):
+    """Whether owner.name exists where owner is one of our modules or classes: a def, class or
+    assignment of name in that module, or a method or attribute in that class. Other owners
+    (torch, np) are not checked here."""
+    modules = {os.path.basename(p)[:-3]: open(p).read() for p in glob.glob(os.path.join(ROOT, '*.py'))}
+    if owner in modules:
+        return re.search(rf'^(def {name}\(|class {name}\b|{name}\s*[:=])', modules[owner], flags=re.M) is not None
+    for text in modules.values():
+        body = re.search(rf'^class {owner}\b.*?(?=^\S|\Z)', text, flags=re.M | re.S)
+        if body:
+            return re.search(rf'def {name}\(|self\.{name}\b[\w., ]*=[^=]|^\s+{name}\s*[:=]', body.group(0), flags=re.M) is not None
+    return True
+
 def test_every_code_name_in_the_docs_exists():
     """Every backticked name in README.md and docs/ (an identifier, a dotted name, a call, a
     --flag, a file) is in the code or the repository: no name left behind by a change."""
@@ -1676,13 +1695,15 @@ def test_every_code_name_in_the_docs_exists():
             flag = re.fullmatch(r'--(\w+)(=\S*)?', span)
             if flag:
                 names = [flag.group(1)]
-            elif re.fullmatch(r'[\w/-][\w./-]*\.(py|md|json|png|txt|ini)', span): # not ../: outside the repository
+            elif re.fullmatch(r'[\w/-][\w./-]*\.(py|md|json|png|txt|ini|cpp)', span): # not ../: outside the repository
                 # a file of the repository, or one the code writes
                 if not os.path.exists(os.path.join(ROOT, span)) and os.path.basename(span) not in code:
                     missing.append((os.path.basename(path), span))
                 continue
             elif re.fullmatch(r'[A-Za-z_][\w.]*(\(.*\))?', span):
                 names = span.split('(')[0].split('.')
+                if len(names) > 1 and not defined(names[0], names[1]):
+                    missing.append((os.path.basename(path), span))
             else:
                 continue # a command, an equation or a value
             missing += [(os.path.basename(path), span) for n in names if not re.search(rf'\b{re.escape(n)}\b', code)]
