@@ -330,19 +330,16 @@ class DepthState:
         self.P = None
 
     def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
-        """x = sum_t fusion_t h_t (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g,
-        C^{key_streams[t]}, C^{value_streams[t]}), as one operation, and the weights (targets, R, B,
-        T). C^j = H^j, plus P^j if included and not 0; P^j also apart: its gradient is a tensor's."""
-        streams = sorted({*key_streams, *value_streams}) # the operation reads these, in this order
+        """R x and the weights (targets, R, B, T): x = sum_t fusion_t h_t (one target: x = h_0), h_t =
+        depth_read(queries[t], g, C^{key_streams[t]}, C^{value_streams[t]}) in one operation; C^j =
+        H^j, plus P^j if included and not 0 (P^j also apart: its gradient is its own)."""
         partial = self.include_partial and self.P is not None
-        C = [self.H[j] + ([self.P[j]] if partial else []) for j in streams]
-        routes = [(streams.index(k), streams.index(v)) for k, v in zip(key_streams, value_streams)]
-        P = [self.P[j] for j in streams] if partial else None
-        handle = [self.handle[j] for j in streams]
-        x, weights, handle = depth_op.depth_read(queries, g, C, routes, fusion, handle, P, RMS_EPS)
-        for j, handle_j in zip(streams, handle):
-            self.handle[j] = handle_j
-        return x, weights
+        C = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H
+        routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
+        x, weights, self.handle = depth_op.depth_read(queries, g, C, routes, fusion, self.handle,
+                                                      self.P if partial else None, RMS_EPS)
+        # [R] R x, R candidates: at uniform weights their sum, which LayerNorm's eps does not damp
+        return len(C[0]) * x, weights
 
 class AttnRes(nn.Module):
     """Attention Residuals. One stream: its history is b_0 = e and the completed block sums b_1,
@@ -429,19 +426,18 @@ class DAR(nn.Module):
         queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
         # target j: the keys of stream k_j, RMSNorm'd with g_l; the values of stream v_j, raw
         (k0, v0), (k1, v1) = self.routes # DAR: k_j = 1 - j, v_j = j
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (fuse), h^j = depth_read(w^j_l, g_l, C^{k_j}, C^{v_j}):
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (fuse), h^j = depth_read(w^j_l, g_l, C^{k_j}, C^{v_j})
         # both reads and the fusion as one operation (arguments: keys' streams, values' streams)
         x, _ = s.read_streams(queries, g, [k0, k1], [v0, v1], fusion)
         return x
 
     def reads(self, s, l):
         """h^0, h^1 apart and their weights (2, R, B, T): SepV's reads, and analyze.py's."""
-        apart = [s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)]
-        h = [h_j for h_j, _ in apart]
+        h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
-        return h, torch.cat([weights for _, weights in apart])
+        return list(h), torch.cat(weights)
 
     def fuse(self, s, l, h, weights):
         # x_l = alpha_l h^0 + (1 - alpha_l) h^1
@@ -456,7 +452,7 @@ class DAR(nn.Module):
             rho, (P0, P1) = s.rho[l], s.P
             # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
             s.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
-        # after a block's K-th sublayer ((l+1) % K == 0) and sublayer L-1 [R]: H^j.append(P^j); P^j = 0
+        # after a block's K-th sublayer ((l+1) % K == 0), sublayer L-1 [R]: H^j.append(P^j); P^j = 0
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
@@ -537,11 +533,17 @@ class GPT(nn.Module):
         return logits, loss
 
     @classmethod
-    def from_checkpoint(cls, checkpoint):
-        """A model from a checkpoint dict, ours or nanoGPT's (of a compiled model too)."""
+    def from_checkpoint(cls, checkpoint, **change):
+        """A model from a checkpoint dict, ours or nanoGPT's (of a compiled model too), its args
+        changed by change: a standard one upcycled to attnres or dar keeps its first forward."""
         # old checkpoints' two_phase (speed) is gone; a compiled model's names carry '_orig_mod.'
-        model = cls(GPTConfig(**{k: v for k, v in checkpoint['model_args'].items() if k != 'two_phase'}))
-        model.load_state_dict({k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()})
+        args = {k: v for k, v in checkpoint['model_args'].items() if k != 'two_phase'}
+        model = cls(GPTConfig(**{**args, **change}))
+        weights = {k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()}
+        model.load_state_dict(weights, strict=not change) # upcycled: the path's keep their init
+        if change.get('residual') == 'dar':
+            # [R] b^0_l = -b^1_l: beta^0 + beta^1 = 2, so the streams' mean is the standard residual
+            model.transformer.res.beta_logit.data[:, 0] = -model.transformer.res.beta_logit.data[:, 1]
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -587,10 +589,8 @@ class GPT(nn.Module):
                 cache.pos.zero_()
                 tokens = crop(idx)
             logits, _ = forward(tokens, cache=cache)
-            # pluck the logits at the final step and scale by desired temperature
-            logits = logits[:, -1, :] / temperature
-            # optionally crop the logits to only the top k options
-            if top_k is not None:
+            logits = logits[:, -1, :] / temperature # the final step's, scaled by the temperature
+            if top_k is not None: # only the top k options
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('Inf')
             probs = F.softmax(logits, dim=-1)

@@ -8,7 +8,7 @@ $ python sweep.py --seeds=1 --variants=standard,dar-block -- --max_iters=200
 $ python sweep.py --scan=out-depth-12,out-depth-24,out-depth-48 --out=assets/depth
 
 --config is a train.py config file (or several, comma-separated, in order) applied after the CPU
-preset below; arguments after '--' go to every train.py run last. Each run writes
+preset below; arguments after '--' go to every train.py run last ({seed} in them: the run's seed). Each run writes
 <out>/<variant>-<seed>/ (checkpoint, log.txt, and result.json once finished). The sweep resumes: a
 finished run is read back, not repeated, and a stopped one continues from its checkpoint. The table
 goes to <out>/results.md and results.json (with every run's val-loss curve), the curves to
@@ -58,6 +58,8 @@ def run(variant, seed, out_root, config, extra, threads):
             return json.load(f)
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     start = '--init_from=resume' if os.path.exists(ckpt_path) else '--overwrite=True'
+    # {seed}: e.g. --init_from=out-base/standard-{seed}/ckpt.pt; a stopped run resumes from its own checkpoint
+    extra = [a.replace('{seed}', str(seed)) for a in extra if not (start == '--init_from=resume' and a.startswith('--init_from='))]
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'), *PRESET, *config, *VARIANTS[variant], f'--seed={seed}', f'--out_dir={out_dir}', start, *extra]
     log = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': str(threads)})
     os.makedirs(out_dir, exist_ok=True)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import model as model_module
 import depth_op
-from model import GPT, GPTConfig, KVCache, sinkhorn
+from model import GPT, GPTConfig, KVCache, ROUTES, sinkhorn
 from sample import compile_for_generation
 import bench
 import train
@@ -149,7 +149,8 @@ def naive_attnres(model, idx):
         candidates = list(blocks)
         if partial is not None and cfg.include_partial:
             candidates.append(partial)
-        x = naive_read(res.query[l], res.key_norm[l], candidates, candidates)
+        # [R] the pre-norm sees R x_l, R the number of candidates
+        x = len(candidates) * naive_read(res.query[l], res.key_norm[l], candidates, candidates)
         y = sublayer(model, l, x)
         partial = y if partial is None else partial + y
         if (l + 1) % K == 0:
@@ -157,7 +158,7 @@ def naive_attnres(model, idx):
             partial = None
     if partial is not None:
         blocks.append(partial)
-    return head(model, naive_read(res.query[L], res.key_norm[L], blocks, blocks))
+    return head(model, len(blocks) * naive_read(res.query[L], res.key_norm[L], blocks, blocks))
 
 def naive_dar_reads(res, routing, C, l):
     """h^0, h^1 from the candidates C[0], C[1] (lists), by the routing table of equations.md."""
@@ -188,7 +189,7 @@ def naive_dar(model, idx):
             C[1].append(P[1])
         h0, h1 = naive_dar_reads(res, cfg.dar_routing, C, l)
         alpha = sigmoid(res.alpha_logit[l])
-        y = sublayer(model, l, alpha * h0 + (1 - alpha) * h1)
+        y = sublayer(model, l, len(C[0]) * (alpha * h0 + (1 - alpha) * h1)) # [R] R x_l
         beta0, beta1 = 2 * sigmoid(res.beta_logit[l, 0]), 2 * sigmoid(res.beta_logit[l, 1])
         if P is None:
             P = [beta0 * y, beta1 * y]
@@ -204,7 +205,7 @@ def naive_dar(model, idx):
         H[1].append(P[1])
     h0, h1 = naive_dar_reads(res, cfg.dar_routing, H, L)
     alpha = sigmoid(res.alpha_logit[L])
-    return head(model, alpha * h0 + (1 - alpha) * h1)
+    return head(model, len(H[0]) * (alpha * h0 + (1 - alpha) * h1))
 
 def naive_sinkhorn(logits, iters=20):
     if logits.size(-1) == 2 and iters == 20:
@@ -633,21 +634,36 @@ def test_attnres_at_init_reads_a_uniform_mean():
         for a in probe.weights:
             torch.testing.assert_close(a, torch.full_like(a, 1 / a.size(0)))
 
-@pytest.mark.parametrize('K', [1, 6])
+@pytest.mark.parametrize('K', [1, 2, 4, 6])
 def test_attnres_at_init_equals_standard_residual(K):
-    """At zero queries a read is h_{l-1} / (number of candidates); the pre-norms and ln_f are
-    scale-invariant, so Full AttnRes and Block with K = L equal the standard residual up to the
-    norms' eps (unit-scale embeddings, so eps is negligible)."""
+    """At zero queries a read is the mean of its candidates, and the pre-norms see R x_l, their sum
+    (docs/depth.md): h_{l-1} itself, at nanoGPT's init too, where a mean would be damped by eps."""
     torch.manual_seed(0)
     std = GPT(tiny(bias=True))
-    with torch.no_grad():
-        std.transformer.wte.weight.normal_()
-        std.transformer.wpe.weight.normal_()
     ar = GPT(tiny(bias=True, residual='attnres', depth_block=K))
     ar.load_state_dict(std.state_dict(), strict=False)
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(full_logits(ar, idx), full_logits(std, idx), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(full_logits(ar, idx), full_logits(std, idx), atol=1e-5, rtol=1e-5)
+
+NANOGPT_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size', 'dropout')
+
+@pytest.mark.parametrize('change', [dict(residual='attnres', depth_block=K) for K in (1, 2, 4, 6)] +
+                         [dict(residual='dar', depth_block=K, dar_routing=r) for K in (1, 4) for r in ROUTES if r != 'fixed'])
+def test_an_upcycled_standard_checkpoint_keeps_its_logits(change):
+    """A trained standard model, as nanoGPT saves it, upcycled to AttnRes or DAR: the same logits to
+    1e-5 (zero queries read means; DAR's b^0 = -b^1 makes the streams' mean the standard residual,
+    while the streams differ). Not FixedKV, whose values are one stream's (train.py refuses it)."""
+    std = one_step(GPT(tiny(bias=True)))
+    checkpoint = dict(model_args={k: getattr(std.config, k) for k in NANOGPT_ARGS}, model=std.state_dict())
+    up = GPT.from_checkpoint(checkpoint, **change)
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(full_logits(up, idx), full_logits(std, idx), atol=1e-5, rtol=1e-5)
+    if change['residual'] == 'dar': # symmetry broken: the streams' writes differ per channel
+        beta = 2 * torch.sigmoid(up.transformer.res.beta_logit)
+        torch.testing.assert_close(beta.sum(1), torch.full_like(beta[:, 0], 2.0))
+        assert not torch.allclose(beta[:, 0], beta[:, 1])
 
 def one_step(model, seed=0):
     torch.manual_seed(seed)
@@ -1244,6 +1260,7 @@ def bad_inputs(workdir, tmp_path, bad):
     (tmp_path / 'bpe').mkdir()
     for src in ('train.bin', 'val.bin'):
         (tmp_path / 'bpe' / src).write_bytes((workdir / 'data' / 'shakespeare_char' / src).read_bytes())
+    std, moe = write_standard_checkpoint(workdir, tmp_path / 'std.pt'), write_standard_checkpoint(workdir, tmp_path / 'moe.pt', n_expert=4)
     return [
         (['--batch_size=big'], "error: batch_size='big' (from --batch_size=big) should be of type int, not str"),
         (['--learning_rate'], "error: --learning_rate: overrides take the form --key=value"),
@@ -1265,7 +1282,14 @@ def bad_inputs(workdir, tmp_path, bad):
         (['--dropout=1.5'], "error: dropout=1.5 is out of range: 0 <= dropout < 1"),
         (['--learning_rate=-0.001'], "error: learning_rate=-0.001 is out of range: a number > 0"),
         (['--device=gpu'], "error: device='gpu' is out of range: auto, cpu, mps, cuda or cuda:N"),
-        (['--init_from=gpt2'], "error: init_from='gpt2' is out of range: scratch or resume"),
+        (['--init_from=gpt2'], "error: init_from='gpt2' is out of range: scratch, resume or a checkpoint file, *.pt"),
+        # upcycling: a dense standard checkpoint of the same shape, to attnres or dar
+        ([f'--init_from={std}', '--residual=attnres', '--n_embd=64'], f"error: {std} was trained with n_embd=32; it cannot start a run as n_embd=64"),
+        ([f'--init_from={std}', '--residual=dar', '--n_layer=3'], f"error: {std} was trained with n_layer=2; it cannot start a run as n_layer=3"),
+        ([f'--init_from={moe}', '--residual=dar'], f"error: --residual=dar: upcycling takes a dense standard checkpoint"),
+        ([f'--init_from={os.path.join(bad, "ckpt.pt")}', '--residual=attnres'], "error: --residual=attnres: upcycling takes a dense standard"),
+        ([f'--init_from={std}', '--residual=mhc', '--depth_block=1'], "error: --residual=mhc: upcycling takes a dense standard checkpoint"),
+        ([f'--init_from={std}', '--residual=dar', '--dar_routing=fixed'], "error: --residual=dar: upcycling takes a dense standard"),
         ([f'--out_dir={tmp_path / "a-file" / "out"}'], f"error: --out_dir={tmp_path / 'a-file' / 'out'}: Not a directory"),
         # bad checkpoints: one complete line, never torch's advice to load with weights_only=False
         ([f'--out_dir={tmp_path / "empty"}', '--init_from=resume'], f"error: {tmp_path / 'empty' / 'ckpt.pt'} is empty (0 bytes): not a checkpoint"),
@@ -1276,6 +1300,13 @@ def bad_inputs(workdir, tmp_path, bad):
         # nothing lost: a scratch run does not replace a checkpoint
         ([f'--out_dir={bad}'], f"error: {os.path.join(bad, 'ckpt.pt')} exists: continue it with --init_from=resume, replace it with --overwrite=True"),
     ]
+
+def write_standard_checkpoint(workdir, path, **kw):
+    """An untrained standard checkpoint of train.py's small shape, as nanoGPT writes it (its model_args)."""
+    with open(workdir / 'data' / 'shakespeare_char' / 'meta.pkl', 'rb') as f:
+        args = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, bias=False, dropout=0.0, vocab_size=pickle.load(f)['vocab_size'], **kw)
+    torch.save(dict(model=GPT(GPTConfig(**args)).state_dict(), model_args=args), path)
+    return path
 
 def write_checkpoint(workdir, out_dir):
     """A checkpoint of the model train.py builds from SMALL, untrained, as train.py writes it."""
@@ -1314,6 +1345,29 @@ def test_bad_inputs_fail_with_one_line_in_process(workdir, tmp_path, monkeypatch
     assert last_line(err).endswith("'Zx{}'")
     for top_k in ('0', 'None'): # no top-k
         sample.main(['--out_dir=bad-quick', f'--top_k={top_k}', '--num_samples=1', '--max_new_tokens=5'])
+
+def test_an_upcycled_run_starts_at_its_checkpoints_loss_and_resumes(workdir, monkeypatch, capsys):
+    """A standard run's checkpoint, upcycled by --init_from with --residual=attnres or dar: its first
+    eval is the checkpoint's (the same batches; docs/depth.md), and its run resumes as any run."""
+    monkeypatch.chdir(workdir)
+    monkeypatch.setattr(train.signal, 'signal', lambda *args: None)
+    base = SMALL + ['--eval_interval=100', '--overwrite=True']
+    assert train.main(base + ['--residual=standard', '--out_dir=up-std', '--max_iters=4']) == 0
+    def first_eval(*args):
+        capsys.readouterr()
+        assert train.main(base + ['--init_from=up-std/ckpt.pt', '--eval_only=True', '--out_dir=up-eval', *args]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith('step 0:')]
+    standard = first_eval() # no --residual: the checkpoint's path
+    assert standard and first_eval('--residual=attnres') == first_eval('--residual=dar', '--depth_block=1') == standard
+    up = base + ['--init_from=up-std/ckpt.pt', '--residual=dar']
+    assert train.main(up + ['--out_dir=up-full', '--max_iters=4']) == 0
+    full = losses(capsys.readouterr().out)
+    assert train.main(up + ['--out_dir=up-part', '--max_iters=2']) == 0
+    part = losses(capsys.readouterr().out)
+    assert train.main(base + ['--out_dir=up-part', '--max_iters=4', '--init_from=resume']) == 0
+    assert part + losses(capsys.readouterr().out) == full
+    checkpoint = torch.load(workdir / 'up-part' / 'ckpt.pt', weights_only=True)
+    assert checkpoint['model_args']['residual'] == 'dar' and checkpoint['iter_num'] == 4
 
 def test_a_compiled_run_evaluates_through_its_training_graph(workdir, monkeypatch, capsys):
     """Without dropout a compiled run's evals call the compiled model as training does, grad on

@@ -7,7 +7,6 @@ $ python train.py config/shakespeare_char.py --residual=attnres --depth_block=4
 
 DDP on 8 GPUs of one node (gradient_accumulation_steps counts the micro-batches of all ranks):
 $ torchrun --standalone --nproc_per_node=8 train.py config/shakespeare_char.py --gradient_accumulation_steps=8
-
 python train.py --help lists every key with its default.
 """
 
@@ -42,7 +41,7 @@ log_interval = 10
 eval_iters = 20 # batches per split in an eval
 eval_only = False # if True, script exits right after the first eval
 always_save_checkpoint = True # if True, always save a checkpoint after each eval
-init_from = 'scratch' # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = 'scratch' # 'scratch', 'resume' (from out_dir/ckpt.pt), or a checkpoint file to start a run from
 overwrite = False # a scratch run may replace an existing out_dir/ckpt.pt
 seed = 1337
 # data
@@ -102,7 +101,7 @@ TRAIN_RULES = [count(k) for k in ('eval_interval', 'log_interval', 'eval_iters',
     *[(k, lambda v: v >= 0, 'a number >= 0') for k in ('min_lr', 'weight_decay')],
     *[(k, lambda v: 0 <= v < 1, f'0 <= {k} < 1') for k in ('beta1', 'beta2')],
     ('grad_clip', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
-    ('init_from', lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
+    ('init_from', lambda v: v in ('scratch', 'resume') or v.endswith('.pt'), 'scratch, resume or a checkpoint file, *.pt'),
 ]
 
 def get_lr(it, cfg):
@@ -147,37 +146,44 @@ def init_model(cfg, given, data_dir, ckpt_path):
             meta_vocab_size = pickle.load(f)['vocab_size']
         print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
     torch.manual_seed(cfg['seed'])
-    if cfg['init_from'] == 'scratch':
-        model_args = {k: cfg[k] for k in MODEL_KEYS if k != 'vocab_size'}
-        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
-        try:
-            return GPT(GPTConfig(**model_args)), model_args, None
-        except ValueError as e:
-            fail(str(e))
-    print(f"Resuming training from {cfg['out_dir']}")
-    checkpoint = load_checkpoint(ckpt_path)
-    model_args = checkpoint['model_args']
-    # the architecture comes from the checkpoint; asking for another one is an error
-    for k in sorted(given & set(model_args)):
-        if cfg[k] != model_args[k]:
-            fail(f"{ckpt_path} was trained with {k}={model_args[k]!r}; it cannot resume as {k}={cfg[k]!r}")
-    if meta_vocab_size is not None and meta_vocab_size != model_args['vocab_size']:
-        fail(f"{meta_path} has vocab_size {meta_vocab_size} but {ckpt_path} has {model_args['vocab_size']}: another dataset?")
-    if meta_vocab_size is None and model_args['vocab_size'] < 50257:
-        fail(f"{data_dir} holds GPT-2 BPE tokens (no meta.pkl) but {ckpt_path} has a vocabulary of {model_args['vocab_size']}: another dataset?")
-    return GPT.from_checkpoint(checkpoint), model_args, checkpoint
+    resume, checkpoint, change = cfg['init_from'] == 'resume', None, {}
+    model_args = {**{k: cfg[k] for k in MODEL_KEYS if k != 'vocab_size'}, 'vocab_size': meta_vocab_size or 50304}
+    if cfg['init_from'] != 'scratch':
+        path = ckpt_path if resume else cfg['init_from']
+        print(f"Resuming training from {cfg['out_dir']}" if resume else f"Starting from the weights of {path}")
+        checkpoint = load_checkpoint(path)
+        model_args = checkpoint['model_args']
+        was = lambda k: model_args.get(k, getattr(GPTConfig, k)) # nanoGPT's checkpoints: our defaults
+        # the architecture comes from the checkpoint, except a depth path for a new run from a dense
+        # standard checkpoint: upcycled, the same first forward; asking for another is an error
+        upcycle = not resume and 'residual' in given and cfg['residual'] != was('residual')
+        change = {k: cfg[k] for k in ('residual', 'depth_block', 'include_partial', 'dar_routing')} if upcycle else {}
+        for k in sorted(given & set(MODEL_KEYS) - set(change) - {'vocab_size'}):
+            if cfg[k] != was(k):
+                fail(f"{path} was trained with {k}={was(k)!r}; it cannot {'resume' if resume else 'start a run'} as {k}={cfg[k]!r}")
+        if change and (was('residual') != 'standard' or was('n_expert') or cfg['residual'] not in ('attnres', 'dar')
+                       or not cfg['include_partial'] or cfg['dar_routing'] == 'fixed'):
+            fail(f"--residual={cfg['residual']}: upcycling takes a dense standard checkpoint to attnres or dar (not dar_routing="
+                 f"fixed) with include_partial=True; {path} has residual={was('residual')}, n_expert={was('n_expert')}")
+        if meta_vocab_size is not None and meta_vocab_size != model_args['vocab_size']:
+            fail(f"{meta_path} has vocab_size {meta_vocab_size} but {path} has {model_args['vocab_size']}: another dataset?")
+        if meta_vocab_size is None and model_args['vocab_size'] < 50257:
+            fail(f"{data_dir} holds GPT-2 BPE tokens (no meta.pkl) but {path} has a vocabulary of {model_args['vocab_size']}: another dataset?")
+    try:
+        model = GPT.from_checkpoint(checkpoint, **change) if checkpoint else GPT(GPTConfig(**model_args))
+    except ValueError as e:
+        fail(str(e))
+    return model, {**model_args, **change}, checkpoint if resume else None
 
 def restore(checkpoint, model, optimizer, scaler, data_gen, cfg, rank, world_size, device_type):
-    """A resumed run's optimizer, scaler and random states (dropout's of this rank), and its
-    iteration, best val loss and loss curve; from scratch a seed per rank and a new run."""
+    """A resumed run's optimizer, scaler, RNG states (dropout's: this rank's) and progress; else a new run."""
     if checkpoint is None:
         torch.manual_seed(cfg['seed'] + rank) # dropout differs per rank, weights came out the same
         return dict(iter_num=0, best_val_loss=1e9, curve=[]) # curve: (iter, train loss, val loss) of every eval
     set_optimizer_state_dict(model, optimizer, checkpoint['optimizer'], options=StateDictOptions(full_state_dict=True))
     scaler.load_state_dict(checkpoint['scaler'])
-    rng = checkpoint['rng']
-    data_gen.set_state(rng['data'])
-    states = rng['torch'] if len(rng['torch']) == world_size else rng['torch'][:1] * world_size
+    data_gen.set_state(checkpoint['rng']['data'])
+    states = checkpoint['rng']['torch'] if len(checkpoint['rng']['torch']) == world_size else checkpoint['rng']['torch'][:1] * world_size
     torch.set_rng_state(states[rank][0])
     if device_type == 'cuda' and states[rank][1] is not None:
         torch.cuda.set_rng_state(states[rank][1])
@@ -195,8 +201,7 @@ def estimate_loss(model, raw_model, splits, cfg, ctx, device, grad):
     """Mean LM loss of each split over eval_iters batches, the same batches at every eval; with
     MoE also the mean router losses and expert load on val. grad: through the training graph."""
     out = {}
-    if not grad:
-        raw_model.eval()
+    raw_model.train(grad) # eval mode unless evaluating through the training graph
     for split, shards in splits.items():
         gen = torch.Generator().manual_seed(cfg['seed'] + 1)
         ix = torch.randint(sum(w for _, w in shards), (cfg['eval_iters'], cfg['batch_size']), generator=gen)
@@ -216,9 +221,8 @@ def estimate_loss(model, raw_model, splits, cfg, ctx, device, grad):
     return out
 
 class StopRequest:
-    """SIGINT / SIGTERM: finish the step, save a checkpoint, exit with 128 + the signal's number.
-    Repeats within REPEAT_S are the same request (timeout(1) sends SIGTERM twice; Ctrl-C under
-    torchrun reaches a rank twice). A later one exits at once (the last checkpoint stays whole)."""
+    """SIGINT / SIGTERM: finish the step, save a checkpoint, exit with 128 + the signal's number. Repeats within
+    REPEAT_S are one request (timeout(1) sends two, torchrun passes Ctrl-C on); a later one exits at once."""
 
     def __init__(self, ckpt_path):
         self.ckpt_path, self.first = ckpt_path, None # (signal number, time) of the request
@@ -246,7 +250,7 @@ class StopRequest:
 def init_out_dir(cfg, master_process):
     """out_dir made and writable; its ckpt.pt, which a scratch run may replace only with --overwrite."""
     ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
-    if cfg['init_from'] == 'scratch' and os.path.exists(ckpt_path) and not cfg['overwrite']:
+    if cfg['init_from'] != 'resume' and os.path.exists(ckpt_path) and not cfg['overwrite']:
         fail(f"{ckpt_path} exists: continue it with --init_from=resume, replace it with --overwrite=True, or set another --out_dir")
     if master_process:
         try:
@@ -296,9 +300,8 @@ def train_step(model, raw_model, optimizer, scaler, shards, ix, cfg, ctx, device
     return train_loss
 
 def wrap(model, cfg, use_compile, ddp, local_rank, device_type):
-    """The model to train (compiled, in DDP), the one to evaluate, and whether evals run through the
-    training graph: a second graph (eval mode, no_grad) would compile again (docs/bench.md). Not with
-    dropout (train and eval mode differ), eval_only (no training graph), DDP / FSDP (their own)."""
+    """The model to train (compiled, in DDP), the one to evaluate, and whether evals run through the training
+    graph, not a second one (docs/bench.md): not with dropout, eval_only (no training), DDP / FSDP (their own)."""
     if use_compile:
         print("compiling the model... (takes a ~minute)")
     compiled = torch.compile(model) if use_compile else model
@@ -308,8 +311,7 @@ def wrap(model, cfg, use_compile, ddp, local_rank, device_type):
     return compiled, (compiled if eval_graph else model), eval_graph
 
 def evaluated(losses, stopping, run, checkpoint, ckpt_path, cfg):
-    """Log an eval and save its checkpoint, if it is the best yet or always_save_checkpoint; or,
-    stopping (losses None), save the checkpoint and say so. checkpoint None: nothing trained."""
+    """Log an eval, save its checkpoint if best or always_save_checkpoint; stopping: save, say so."""
     if stopping:
         if checkpoint is not None:
             save_checkpoint(checkpoint, ckpt_path)
@@ -340,8 +342,7 @@ def step_line(it, loss, lr, dt, tokens, moe_stats, mfu):
 def main(argv):
     cfg, given = configure(DEFAULTS, argv)
     check(cfg, TRAIN_RULES)
-    # the default depth_block (train.py's 2, or a preset's) is the depth paths'; a path without depth
-    # blocks takes none, unless --depth_block was asked for (then GPTConfig says why it cannot be)
+    # the default depth_block is the depth paths'; the others take none unless asked (then GPTConfig says why not)
     if cfg['residual'] not in ('attnres', 'dar') and 'depth_block' not in {a[2:].split('=', 1)[0] for a in argv}:
         cfg['depth_block'] = 1
 
