@@ -108,8 +108,8 @@ def int64s(values):
 # routes[2t] and the values of stream routes[2t + 1], with the query row ws[t], the key-norm weight
 # g and the gate gates[t] (no gates: 1).
 
-def read_forward(ws, g, cand, R, routes, gates, eps):
-    """x = sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the rms rho (S, R, B, T)."""
+def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
+    """x = scale sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the rms rho (S, R, B, T)."""
     S, Tn, dtype = len(cand) // R, len(ws), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     if on_kernel(cand + ws + gates + [g]):
@@ -122,10 +122,10 @@ def read_forward(ws, g, cand, R, routes, gates, eps):
         fn(*map(ctypes.c_int64, (S, R, Tn, x.numel() // x.size(-1), x.size(-1))), ptrs(cand), ptr(g), ptrs(ws),
            int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(eps), ptr(x), ptr(a), ptr(s),
            ptr(rho), ctypes.c_int(torch.get_num_threads()))
-        return x, a, s, rho
-    return read_torch(ws, g, cand, R, routes, gates, eps)
+        return (x.mul_(scale) if scale != 1 else x), a, s, rho
+    return read_torch(ws, g, cand, R, routes, gates, eps, scale)
 
-def read_torch(ws, g, cand, R, routes, gates, eps):
+def read_torch(ws, g, cand, R, routes, gates, eps, scale=1.0):
     """read_forward in torch ops."""
     S, Tn = len(cand) // R, len(ws)
     ks, vs = routes[0::2], routes[1::2]
@@ -143,12 +143,14 @@ def read_torch(ws, g, cand, R, routes, gates, eps):
             # x += gate_t sum_r a_r v_r
             weights = a[-1] if not gates else a[-1] * gates[t]
             x = x + sum(wr.unsqueeze(-1) * v for wr, v in zip(weights, values))
-    return x, torch.stack(a), torch.stack(s), rho
+    return scale * x, torch.stack(a), torch.stack(s), rho
 
-def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS):
+def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0):
     """From dx and the incoming gradients dS of the S handles (n, B, T, C; n = R or R - 1): the
     gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
-    last candidate is a partial (n = R - 1), the partials' gradients."""
+    last candidate is a partial (n = R - 1), the partials' gradients. x = scale * (the sum): the
+    backward of the sum from scale * dx."""
+    dx = dx * scale if scale != 1 else dx
     S, Tn, n, dtype = len(cand) // R, len(ws), dS[0].size(0), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     gS = [torch.empty_like(d, memory_format=torch.contiguous_format) for d in dS]
@@ -210,12 +212,12 @@ def split(tensors, counts):
 class DepthRead(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, g, R, routes, eps, counts, *tensors):
+    def forward(ctx, g, R, routes, eps, scale, counts, *tensors):
         ws, gates, handles, partials, cand = split(tensors, counts)
-        x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps)
+        x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps, scale)
         ctx.save_for_backward(g, a, s, rho, *ws, *gates, *cand)
         ctx.mark_non_differentiable(a, s, rho)
-        ctx.R, ctx.routes, ctx.counts = R, routes, counts
+        ctx.R, ctx.routes, ctx.counts, ctx.scale = R, routes, counts, scale
         return x, a, s, rho, *[passed_on(S) for S in handles]
 
     @staticmethod
@@ -224,21 +226,21 @@ class DepthRead(torch.autograd.Function):
         g, a, s, rho, *rest = ctx.saved_tensors
         Tn, nG, S, nP, nC = ctx.counts
         ws, gates, cand = split(rest, (Tn, nG, nC))
-        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(dS))
-        return dg, None, None, None, None, *dws, *dgates, *gS, *dP, *[None] * nC
+        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(dS), ctx.scale)
+        return dg, None, None, None, None, None, *dws, *dgates, *gS, *dP, *[None] * nC
 
 # -----------------------------------------------------------------------------
 # compiled: custom operations, forward and backward, opaque to the compiler
 
 @torch.library.custom_op('dar::depth_read', mutates_args=())
 def _read(ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int, routes: list[int],
-          gates: list[torch.Tensor], eps: float, handles: list[torch.Tensor],
+          gates: list[torch.Tensor], eps: float, scale: float, handles: list[torch.Tensor],
           partials: list[torch.Tensor]) -> list[torch.Tensor]:
-    x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps)
+    x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps, scale)
     return [x, a, s, rho, *[passed_on(S) for S in handles]]
 
 @_read.register_fake
-def _(ws, g, cand, R, routes, gates, eps, handles, partials):
+def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials):
     v = cand[0]
     x = v.new_empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32))
     a, s = (x.new_empty((len(ws), R, *v.shape[:-1])) for _ in range(2))
@@ -248,55 +250,56 @@ def _(ws, g, cand, R, routes, gates, eps, handles, partials):
 @torch.library.custom_op('dar::depth_read_backward', mutates_args=())
 def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int,
                    routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
-                   dS: list[torch.Tensor]) -> list[torch.Tensor]:
-    dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS)
+                   dS: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+    dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale)
     return [*dws, dg, *dgates, *gS, *dP]
 
 @_read_backward.register_fake
-def _(dx, ws, g, cand, R, routes, gates, a, s, rho, dS):
+def _(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale):
     partial = [torch.empty_like(cand[0]) for _ in dS] if dS[0].size(0) < R else []
     return ([torch.empty_like(w) for w in ws] + [torch.empty_like(g)] + [torch.empty_like(t) for t in gates]
             + [torch.empty_like(d) for d in dS] + partial)
 
 def _setup_context(ctx, inputs, output):
-    ws, g, cand, R, routes, gates, eps, handles, partials = inputs
+    ws, g, cand, R, routes, gates, eps, scale, handles, partials = inputs
     ctx.save_for_backward(g, *output[1:4], *ws, *gates, *cand)
     ctx.mark_non_differentiable(*output[1:4])
-    ctx.R, ctx.routes, ctx.counts = R, routes, (len(ws), len(gates), len(handles), len(partials), len(cand))
+    ctx.R, ctx.routes, ctx.counts, ctx.scale = R, routes, (len(ws), len(gates), len(handles), len(partials), len(cand)), scale
 
 def _backward(ctx, grads):
     g, a, s, rho, *rest = ctx.saved_tensors
     Tn, nG, S, nP, nC = ctx.counts
     ws, gates, cand = split(rest, (Tn, nG, nC))
-    out = _read_backward(grads[0], ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(grads[4:]))
+    out = _read_backward(grads[0], ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(grads[4:]), ctx.scale)
     dws, dg, dgates, gS, dP = split(out, (Tn, 1, nG, S, nP))
     # the candidates get no gradient as data: it runs through the handles and partials
-    return dws, dg[0], [None] * nC, None, None, dgates, None, gS, dP
+    return dws, dg[0], [None] * nC, None, None, dgates, None, None, gS, dP
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def depth_read(ws, g, cand, routes, gates, handles, partials, eps):
-    """x = sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the targets'
-    query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first (data:
-    their gradients run through handles and partials); routes: per target, the stream of its keys
-    and the stream of its values; gates: per target, or None; handles: per stream, the handle of
+def depth_read(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
+    """x = scale sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the
+    targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
+    (data: their gradients run through handles and partials); routes: per target, the stream of its
+    keys and the stream of its values; gates: per target, or None; handles: per stream, the handle of
     its committed candidates; partials: per stream, its partial block (the last candidate), or
-    None; eps: the key norm's. Returns x, the weights a (T, R, B, T) and the handles to pass on."""
+    None; eps: the key norm's; scale: a number (inside the operation, so that the code compiled
+    around it is the same for every R). Returns x, the weights a (T, R, B, T) and the handles."""
     R, flat_routes = len(cand[0]), [j for route in routes for j in route]
     cand, gates, partials = sum(cand, []), gates or [], partials or []
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():
         # inference (prefill, decode): traced, so that inductor fuses the reads; at a token a
         # call of the operation costs more than the read
-        x, a, _, _ = read_torch(ws, g, cand, R, flat_routes, gates, eps)
+        x, a, _, _ = read_torch(ws, g, cand, R, flat_routes, gates, eps, scale)
         return x, a, handles
     if torch.compiler.is_compiling():
-        out = _read(ws, g, cand, R, flat_routes, gates, eps, handles, partials)
+        out = _read(ws, g, cand, R, flat_routes, gates, eps, float(scale), handles, partials)
     elif not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are
-        x, a, _, _ = read_forward(ws, g, cand, R, flat_routes, gates, eps)
+        x, a, _, _ = read_forward(ws, g, cand, R, flat_routes, gates, eps, scale)
         return x, a, handles
     else:
         counts = (len(ws), len(gates), len(handles), len(partials), len(cand))
-        out = DepthRead.apply(g, R, flat_routes, eps, counts, *ws, *gates, *handles, *partials, *cand)
+        out = DepthRead.apply(g, R, flat_routes, eps, scale, counts, *ws, *gates, *handles, *partials, *cand)
     return out[0], out[1], list(out[4:])
 
 # -----------------------------------------------------------------------------

@@ -336,10 +336,10 @@ class DepthState:
         partial = self.include_partial and self.P is not None
         C = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H
         routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
-        x, weights, self.handle = depth_op.depth_read(queries, g, C, routes, fusion, self.handle,
-                                                      self.P if partial else None, RMS_EPS)
         # [R] R x, R candidates: at uniform weights their sum, which LayerNorm's eps does not damp
-        return len(C[0]) * x, weights
+        x, weights, self.handle = depth_op.depth_read(queries, g, C, routes, fusion, self.handle,
+                                                      self.P if partial else None, RMS_EPS, scale=len(C[0]))
+        return x, weights
 
 class AttnRes(nn.Module):
     """Attention Residuals. One stream: its history is b_0 = e and the completed block sums b_1,

@@ -386,14 +386,14 @@ def test_gradient_reaches_every_parameter(name):
 
 DEPTH = [n for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar') and '+moe' not in n]
 
-def readable_reads(ws, g, cand, routes, gates, handles, partials, eps):
-    """depth_op.depth_read by its definition: x = sum_t gate_t depth_read(target t)."""
+def readable_reads(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
+    """depth_op.depth_read by its definition: x = scale sum_t gate_t depth_read(target t)."""
     x, a = 0, []
     for t, (k, v) in enumerate(routes):
         h, a_t = model_module.depth_read(ws[t], g, cand[k], cand[v])
         x = x + (h if gates is None else gates[t] * h)
         a.append(a_t)
-    return x, torch.stack(a), handles
+    return scale * x, torch.stack(a), handles
 
 def loss_and_grads(name, include_partial, compile=None, seed=1):
     """The training loss and every parameter's gradient of the path's fp64 model."""
@@ -1134,6 +1134,24 @@ def test_analyze_runs_on_a_tiny_checkpoint(workdir, residual):
 # sweep.py
 
 import sweep as sweep_module
+
+def test_sweep_puts_each_runs_seed_into_its_arguments(tmp_path, monkeypatch):
+    """{seed} after '--' is the run's seed (an upcycled run starts from its own seed's checkpoint); a
+    stopped run resumes from its own checkpoint, not from the one it started from."""
+    cmds = []
+    def fake(cmd, **kwargs):
+        cmds.append(cmd)
+        raise SystemExit # the command is all this test needs
+    monkeypatch.setattr(sweep_module.subprocess, 'run', fake)
+    for resumed in (False, True):
+        if resumed:
+            (tmp_path / 'standard-1338').mkdir()
+            (tmp_path / 'standard-1338' / 'ckpt.pt').write_bytes(b'')
+        with pytest.raises(SystemExit):
+            sweep_module.run('standard', 1338, str(tmp_path), [], ['--init_from=base/standard-{seed}/ckpt.pt', '--max_iters=8'], 1)
+    fresh, resumed = cmds
+    assert '--init_from=base/standard-1338/ckpt.pt' in fresh and '--init_from=resume' not in fresh
+    assert [a for a in resumed if a.startswith('--init_from')] == ['--init_from=resume'] and '--max_iters=8' in resumed
 
 @pytest.mark.slow
 def test_sweep_resumes_and_records_curves(workdir):
