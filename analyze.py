@@ -76,7 +76,7 @@ class Probe:
             if k is not None and k in self.ablate:
                 raise ValueError(f"donor={k} must be a stream that is not ablated (ablated: {sorted(self.ablate)})")
         self.res, self.mhc, self.L = model.transformer.res, cfg.residual == 'mhc', 2 * cfg.n_layer
-        self.depth = cfg.residual == 'attnres'
+        self.attnres = cfg.residual == 'attnres'
         self.weights = [] # per read: (R, B, T) over the candidates, (streams, R, B, T) for DAR, (n, B, T) for mHC
         self.states = [] # mHC: the streams X at every read
         self.H = None # AttnRes, DAR: the committed histories, per stream
@@ -85,7 +85,7 @@ class Probe:
         res = self.res
         if hasattr(res, 'reads'): # DAR, mHC: the streams' reads apart, then fused
             res.read = lambda s, l: res.fuse(s, l, *self(l, s, *res.reads(s, l)))
-        elif self.depth: # AttnRes: the weights of its one read, recorded from the state
+        elif self.attnres: # AttnRes: the weights of its one read, recorded from the state
             begin = type(res).begin
             res.begin = lambda e: self.recording(begin(res, e))
         return self
