@@ -123,20 +123,20 @@ class MoE(nn.Module):
     def forward(self, x):
         """The output (B, T, C); the router's losses and expert load in self.stats."""
         B, T, C = x.size()
-        x = x.reshape(-1, C) # (N, C) tokens
+        x = x.reshape(-1, C) # (B*T, C) tokens
         E, k = self.c_fc.size(0), self.k
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float()) # (N, E)
+            logits = F.linear(x.float(), self.router.weight.float()) # (B*T, E)
         probs = logits.softmax(-1)
-        gate, expert = probs.topk(k, dim=-1) # (N, k)
+        gate, expert = probs.topk(k, dim=-1) # (B*T, k)
         # g_i = p_i / sum_{top-k} p
         gate = gate / gate.sum(-1, keepdim=True)
-        # group the N*k (token, expert) slots by expert
-        slot_expert = expert.view(-1) # (N*k,)
+        # group the B*T*k (token, expert) slots by expert
+        slot_expert = expert.view(-1) # (B*T*k,)
         order = slot_expert.argsort(stable=True) # slots sorted by expert
-        token = order // k
+        token = order // k # slot = token * k + choice
         counts = slot_expert.new_zeros(E).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
-        ys = self.experts(x[token], counts, slot_expert[order]) # (N*k, C)
+        ys = self.experts(x[token], counts, slot_expert[order]) # (B*T*k, C)
         # y = sum_{i in top-k} g_i expert_i(x)
         weighted = ys * gate.view(-1)[order].unsqueeze(-1).to(ys.dtype)
         y = torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, weighted)
@@ -277,7 +277,7 @@ class MHC(nn.Module):
                 # pre = sigmoid(s_out * xf @ W_out + b_out)
                 pre = torch.sigmoid(self.out_scale * (xf @ self.out_proj) + self.out_bias)
             else:
-                self.z = xf @ self.proj[l] # (B, T, 2n + n*n): xf @ [W_pre | W_post | W_res]
+                self.z = xf @ self.proj[l] # xf @ [W_pre | W_post | W_res], (B, T, 2n+n*n): for write
                 # pre = sigmoid(s_pre * xf @ W_pre + b_pre)
                 pre = torch.sigmoid(self.scale[l, 0] * self.z[..., :self.n] + self.b_pre[l])
         return list(X.unbind(2)), pre
@@ -318,7 +318,7 @@ class DepthState:
 
     def __init__(self, e, streams, include_partial):
         self.include_partial = include_partial
-        # H^j_0 = e ; P^j = 0
+        # H^j_0 = e ; P^j = 0, held as P = None (no partial yet)
         self.H, self.P = [[e] for _ in range(streams)], None
         self.handle = [depth_op.grow(None, e) for _ in range(streams)]
 
@@ -330,13 +330,14 @@ class DepthState:
         self.P = None
 
     def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
-        """R x and the weights (targets, R, B, T): x = sum_t fusion_t h_t (one target: x = h_0), h_t =
-        depth_read(queries[t], g, C^{key_streams[t]}, C^{value_streams[t]}) in one operation; C^j =
-        H^j, plus P^j if included and not 0 (P^j also apart: its gradient is its own)."""
+        """N x and the weights (targets, N, B, T), N candidates per stream: x = sum_t fusion_t h_t
+        (one target: its read), h_t = depth_read(queries[t], g, C^{key_streams[t]},
+        C^{value_streams[t]}), in one operation; C^j = H^j, plus P^j if included and not 0."""
         partial = self.include_partial and self.P is not None
         C = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H
         routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
-        # [R] R x, R candidates: at uniform weights their sum, which LayerNorm's eps does not damp
+        # [R] N x: at uniform weights the candidates' sum, the standard residual; the pre-norm
+        # ignores the factor but for its eps, which would damp a mean of N small entries
         x, weights, self.handle = depth_op.depth_read(queries, g, C, routes, fusion, self.handle,
                                                       self.P if partial else None, RMS_EPS, scale=len(C[0]))
         return x, weights
@@ -360,7 +361,7 @@ class AttnRes(nn.Module):
         return s
 
     def read(self, s, l):
-        # x_l = sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, ..., b_{n-1}, b_n^{i-1}]
+        # x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, .., b_{n-1}, b_n^{i-1}], N = |V| [R]
         x, _ = s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])
         return x
 
@@ -396,7 +397,7 @@ class DAR(nn.Module):
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
         self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, the weight of RMSNorm_l
         self.alpha_logit = nn.Parameter(torch.zeros(L + 1)) # a_l, init 0: alpha_l = 0.5 [R]
-        # b^j_l: init beta^0 = 1, beta^1 = 2*sigmoid(N(0, 0.5^2)) per channel, against symmetry [R]
+        # b^j_l, init: beta^0 = 1, beta^1 = 2 sigmoid(normal(0, 0.5^2)) per channel, to break the symmetry [R]
         beta_logit = torch.zeros(L, 2, n_embd)
         beta_logit[:, 1].normal_(0, 0.5)
         self.beta_logit = nn.Parameter(beta_logit)
@@ -408,14 +409,13 @@ class DAR(nn.Module):
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
         s = DepthState(e, 2, self.include_partial)
-        # every sublayer's parameters as rows, tensors of their own (under compile a row taken by
-        # index would make each sublayer's code differ): s.w[l][j] = w^j_l, s.g[l] = g_l
+        # s.w[l][j] = w^j_l and s.g[l] = g_l, each a tensor of its own (depth_op.rows: compiled, an
+        # entry taken by index would make each sublayer's code differ)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         # s.fusion[l] = (alpha_l, 1 - alpha_l), alpha_l = sigmoid(a_l): the weights of h^0 and h^1
         alpha = torch.sigmoid(self.alpha_logit)
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2)
-        # s.beta[l][j] = beta^j_l = 2 * sigmoid(b^j_l), per channel
-        s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit), 2)
+        s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit), 2) # beta^j_l = 2 sigmoid(b^j_l)
         # s.rho[l] = rho_l = sigmoid(r_l)
         s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else None
         return s
@@ -424,15 +424,15 @@ class DAR(nn.Module):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
         queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
-        # target j: the keys of stream k_j, RMSNorm'd with g_l; the values of stream v_j, raw
-        (k0, v0), (k1, v1) = self.routes # DAR: k_j = 1 - j, v_j = j
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (fuse), h^j = depth_read(w^j_l, g_l, C^{k_j}, C^{v_j})
-        # both reads and the fusion as one operation (arguments: keys' streams, values' streams)
-        x, _ = s.read_streams(queries, g, [k0, k1], [v0, v1], fusion)
+        key_streams, value_streams = zip(*self.routes) # cross (DAR): target j keys 1 - j, values j
+        # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), then
+        # x_l = N (alpha_l h^0 + (1 - alpha_l) h^1), N candidates per stream [R]: in one operation what
+        # self.fuse(s, l, *self.reads(s, l)) computes target by target (test_dar_read_is_its_reads_fused)
+        x, _ = s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)
         return x
 
     def reads(self, s, l):
-        """h^0, h^1 apart and their weights (2, R, B, T): SepV's reads, and analyze.py's."""
+        """N h^0, N h^1 apart and their weights (2, N, B, T): SepV's reads, and analyze.py's."""
         h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
@@ -440,19 +440,19 @@ class DAR(nn.Module):
         return list(h), torch.cat(weights)
 
     def fuse(self, s, l, h, weights):
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (h^j times N; weights unused: analyze.Probe's)
         return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
-        beta = s.beta[l] # beta^0_l, beta^1_l
+        beta = s.beta[l] # beta^j_l = 2 sigmoid(b^j_l), per channel (C,), j = 0, 1
         if s.P is None:
-            # at the start of a block P^j = 0, so P^j <- beta^j * y_l
-            s.P = [beta[0] * y, beta[1] * y]
+            s.P = [beta[0] * y, beta[1] * y] # a block starts at P^j = 0: P^j <- beta^j y_l
         else:
-            rho, (P0, P1) = s.rho[l], s.P
+            rho, (P0, P1) = s.rho[l], s.P # rho_l = sigmoid(r_l), a scalar
             # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
             s.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
-        # after a block's K-th sublayer ((l+1) % K == 0), sublayer L-1 [R]: H^j.append(P^j); P^j = 0
+        # commit after a block's K-th sublayer and after the last, L-1 (a short last block's partial
+        # is committed too [R]): H^j.append(P^j); P^j = 0
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
@@ -476,7 +476,7 @@ class GPT(nn.Module):
         self.moe_stats = None # MoE: the last forward's LM loss, router losses, expert load (logs)
         # weight tying (https://paperswithcode.com/method/weight-tying)
         self.transformer.wte.weight = self.lm_head.weight
-        # init all weights (not the paths'), then GPT-2's scaled init of the residual projections
+        # init Linear and Embedding weights (the paths' keep their own), then GPT-2's c_proj init
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():
             if pn.endswith('c_proj.weight'):
@@ -570,9 +570,9 @@ class GPT(nn.Module):
         peak = next((v for k, v in peaks.items() if k in name), None)
         if peak is None:
             return None
-        N, cfg = self.get_num_params(active=True), self.config
+        n_params, cfg = self.get_num_params(active=True), self.config
         n_layer, n_head, hs, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
-        flops_per_token = 6*N + 12*n_layer*n_head*hs*T
+        flops_per_token = 6*n_params + 12*n_layer*n_head*hs*T
         return flops_per_token * T * fwdbwd_per_iter / dt / peak
 
     @torch.no_grad()

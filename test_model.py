@@ -149,7 +149,7 @@ def naive_attnres(model, idx):
         candidates = list(blocks)
         if partial is not None and cfg.include_partial:
             candidates.append(partial)
-        # [R] the pre-norm sees R x_l, R the number of candidates
+        # [R] the pre-norm sees N x_l, N the number of candidates
         x = len(candidates) * naive_read(res.query[l], res.key_norm[l], candidates, candidates)
         y = sublayer(model, l, x)
         partial = y if partial is None else partial + y
@@ -189,7 +189,7 @@ def naive_dar(model, idx):
             C[1].append(P[1])
         h0, h1 = naive_dar_reads(res, cfg.dar_routing, C, l)
         alpha = sigmoid(res.alpha_logit[l])
-        y = sublayer(model, l, len(C[0]) * (alpha * h0 + (1 - alpha) * h1)) # [R] R x_l
+        y = sublayer(model, l, len(C[0]) * (alpha * h0 + (1 - alpha) * h1)) # [R] N x_l
         beta0, beta1 = 2 * sigmoid(res.beta_logit[l, 0]), 2 * sigmoid(res.beta_logit[l, 1])
         if P is None:
             P = [beta0 * y, beta1 * y]
@@ -624,6 +624,30 @@ def test_config_errors_are_one_line():
         with pytest.raises(ValueError, match=msg):
             tiny(**kw)
 
+@pytest.mark.parametrize('routing', ['cross', 'self', 'crossv', 'fixed'])
+def test_dar_read_is_its_reads_fused(routing):
+    """DAR.read's one call equals DAR.fuse of DAR.reads (the two targets apart), at every sublayer
+    and the final read, values and gradients, with trained-like (random) gates and queries."""
+    torch.manual_seed(0)
+    model = GPT(tiny(residual='dar', dar_routing=routing, depth_block=2)).double()
+    res = model.transformer.res
+    with torch.no_grad():
+        for p in (res.query, res.key_norm, res.alpha_logit, res.beta_logit):
+            p.normal_(0, 0.5)
+    e = torch.randn(2, 8, 32, dtype=torch.float64)
+    outs = []
+    for read in (res.read, lambda s, l: res.fuse(s, l, *res.reads(s, l))):
+        s, xs = res.begin(e), []
+        for l in range(res.L + 1):
+            xs.append(read(s, l))
+            if l < res.L:
+                s = res.write(s, l, torch.tanh(xs[-1]))
+        loss = sum((x * torch.randn_like(x, generator=torch.Generator().manual_seed(l))).sum() for l, x in enumerate(xs))
+        outs.append((xs, torch.autograd.grad(loss, [res.query, res.key_norm, res.alpha_logit, res.beta_logit])))
+    (fused_x, fused_g), (apart_x, apart_g) = outs
+    for a, b in zip(fused_x + list(fused_g), apart_x + list(apart_g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
 def test_attnres_at_init_reads_a_uniform_mean():
     torch.manual_seed(0)
     for kw in (dict(), dict(depth_block=4)):
@@ -636,7 +660,7 @@ def test_attnres_at_init_reads_a_uniform_mean():
 
 @pytest.mark.parametrize('K', [1, 2, 4, 6])
 def test_attnres_at_init_equals_standard_residual(K):
-    """At zero queries a read is the mean of its candidates, and the pre-norms see R x_l, their sum
+    """At zero queries a read is the mean of its candidates, and the pre-norms see N x_l, their sum
     (docs/depth.md): h_{l-1} itself, at nanoGPT's init too, where a mean would be damped by eps."""
     torch.manual_seed(0)
     std = GPT(tiny(bias=True))
