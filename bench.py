@@ -39,7 +39,7 @@ from torch._dynamo.utils import counters
 
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
-from configurator import autocast, check, configure, count, resolve_device
+from configurator import autocast, check, configure, count, keep_freed_memory, resolve_device
 from train import main as train_main, DEFAULTS as TRAIN_DEFAULTS
 from prepare_data import fail, write_pickle, write_tokens
 
@@ -416,6 +416,7 @@ def main(argv):
                                    'rounds', 'decode_tokens', 'runs', 'moe_steps')] + [count('warmup', 0)])
     # every path's model compiles GPT.forward for training, prefill and decode: more than the default 8 entries
     torch._dynamo.config.recompile_limit = 64
+    keep_freed_memory() # as train.py does
     device = resolve_device(cfg['device'])
     dtype, ctx = autocast(device.split(':')[0], cfg['dtype'])
     if cfg['memory_probe']:

@@ -8,6 +8,7 @@ dtype with its autocast context, and a checkpoint read safely.
 import os
 import ast
 import sys
+import ctypes
 import difflib
 from contextlib import nullcontext
 
@@ -106,6 +107,17 @@ def resolve_device(device):
     if device == 'mps' and not torch.backends.mps.is_available():
         fail("device=mps but MPS is not available here (use --device=cpu or --device=auto)")
     return device
+
+def keep_freed_memory():
+    """On glibc, keep freed blocks up to 32 MB in the process, for reuse, rather than give them back to
+    the OS: torch has no caching allocator on CPU, so each step's fresh buffers (the depth reads'
+    gradients) would page-fault again (docs/bench.md). True where glibc took both settings."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, 'mallopt'): # not glibc
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3 # glibc's malloc.h
+    # blocks up to 32 MB (Full DAR's gradient buffers at 6 x 384: 18 MB) from the heap, never trimmed
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 def autocast(device_type, dtype):
     """The dtype and its autocast context. 'auto': bfloat16 on CUDA where supported, else float16

@@ -1811,3 +1811,10 @@ def test_the_readme_code_is_the_models():
     readme = open(os.path.join(ROOT, 'README.md')).read()
     lines = [l.strip() for block in re.findall(r'```python\n(.*?)```', readme, flags=re.S) for l in block.splitlines()]
     assert lines and [l for l in lines if l and l not in model_lines] == []
+
+@pytest.mark.skipif(__import__('platform').libc_ver()[0] != 'glibc', reason='glibc only')
+def test_keep_freed_memory_is_taken_by_glibc():
+    """train.py and bench.py keep freed blocks in the process (docs/bench.md); glibc must accept both
+    settings, or the fresh gradient buffers page-fault on every step again."""
+    import configurator
+    assert configurator.keep_freed_memory() is True

@@ -29,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 from tqdm import tqdm
 
 from model import GPTConfig, GPT
-from configurator import autocast, check, configure, count, load_checkpoint, resolve_device
+from configurator import autocast, check, configure, count, keep_freed_memory, load_checkpoint, resolve_device
 from prepare_data import fail, open_split, get_batch
 
 # -----------------------------------------------------------------------------
@@ -355,11 +355,11 @@ def main(argv):
         print(f"tokens per iteration will be: {tokens_per_iter:,}")
     device_type = 'cuda' if 'cuda' in device else device # for later use in torch.autocast
     dtype, ctx = autocast(device_type, cfg['dtype'])
-    # compile=None: on where it was measured faster end to end, compile time included (docs/bench.md):
-    # on CUDA; on CPU every path runs faster eager, its depth reads one operation (depth_op.py)
+    # compile=None: on CUDA only; on CPU every path ran faster eager end to end (docs/bench.md)
     use_compile = cfg['compile'] if cfg['compile'] is not None else device_type == 'cuda'
     torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
     torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
+    keep_freed_memory() # on CPU, no page faults on each step's fresh buffers
 
     # data: every rank draws the same global batch from the same generator and takes its own
     # micro-batches, so the data stream does not depend on the number of processes
