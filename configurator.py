@@ -10,6 +10,7 @@ import ast
 import sys
 import ctypes
 import difflib
+import platform
 from contextlib import nullcontext
 
 import torch
@@ -112,9 +113,9 @@ def keep_freed_memory():
     """On glibc, keep freed blocks up to 32 MB in the process, for reuse, rather than give them back to
     the OS: torch has no caching allocator on CPU, so each step's fresh buffers (the depth reads'
     gradients) would page-fault again (docs/bench.md). True where glibc took both settings."""
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, 'mallopt'): # not glibc
+    if platform.libc_ver()[0] != 'glibc': # elsewhere (macOS, Windows, musl) these settings do not exist
         return False
+    libc = ctypes.CDLL(None)
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3 # glibc's malloc.h
     # blocks up to 32 MB (Full DAR's gradient buffers at 6 x 384: 18 MB) from the heap, never trimmed
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
