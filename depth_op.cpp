@@ -5,7 +5,7 @@
 // rho (S, R, N), taken in forward. T targets: target t has the query row w[t] (C), reads the keys
 // of stream ks[t] and the values of stream vs[t], and is scaled by *gate[t] (1 if gate is null);
 // g (C) is the key norm's weight, u_t = g * w_t. Weights a and scores sc: (T, R, N). x (N, C) =
-// sum_t gate_t h_t.
+// scale sum_t gate_t h_t (scale: a number, taken into each target's gate).
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -23,7 +23,7 @@ static std::vector<T> queries(int64_t Tn, int64_t C, const T* g, const T* const*
 template <typename T>
 static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* const* cand,
                     const T* g, const T* const* w, const int64_t* ks, const int64_t* vs,
-                    const T* const* gate, T eps, T* x, T* a, T* sc, T* rho, int threads) {
+                    const T* const* gate, T scale, T eps, T* x, T* a, T* sc, T* rho, int threads) {
     const std::vector<T> u = queries(Tn, C, g, w);
     #pragma omp parallel for num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
@@ -60,7 +60,7 @@ static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, cons
             // x += gate_t sum_r a_r v_r
             for (int64_t r = 0; r < R; r++) {
                 at[r * N + n] /= z;
-                const T wr = (gate ? *gate[t] : T(1)) * at[r * N + n];
+                const T wr = scale * (gate ? *gate[t] : T(1)) * at[r * N + n];
                 const T* v = cand[vs[t] * R + r] + n * C;
                 #pragma omp simd
                 for (int64_t c = 0; c < C; c++) xn[c] += wr * v[c];
@@ -75,8 +75,8 @@ static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, cons
 template <typename T>
 static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* dx,
                      const T* const* cand, const T* g, const T* const* w, const int64_t* ks,
-                     const int64_t* vs, const T* const* gate, const T* a, const T* sc, const T* rho,
-                     T* const* gout, const T* const* gin, T* du, T* dgate, int threads) {
+                     const int64_t* vs, const T* const* gate, T scale, const T* a, const T* sc,
+                     const T* rho, T* const* gout, const T* const* gin, T* du, T* dgate, int threads) {
     const std::vector<T> u = queries(Tn, C, g, w);
     std::vector<T> du_t(threads * Tn * C, T(0)), dgate_t(threads * Tn, T(0));
     #pragma omp parallel num_threads(threads)
@@ -90,16 +90,16 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
         for (int64_t n = 0; n < N; n++) {
             const T* dxn = dx + n * C;
             for (int64_t t = 0; t < Tn; t++) {
-                const T gt = gate ? *gate[t] : T(1);
+                const T gt = scale * (gate ? *gate[t] : T(1)); // the gate and the scale
                 const T* at = a + t * R * N;
-                // q_r = dx . v_r ; dgate_t = sum_r a_r q_r ; da_r = gate_t q_r
+                // q_r = dx . v_r ; dgate_t = scale sum_r a_r q_r ; da_r = scale gate_t q_r
                 T sum_ad = 0;
                 for (int64_t r = 0; r < R; r++) {
                     const T* v = cand[vs[t] * R + r] + n * C;
                     T q = 0;
                     #pragma omp simd reduction(+:q)
                     for (int64_t c = 0; c < C; c++) q += dxn[c] * v[c];
-                    dgate_l[t] += at[r * N + n] * q;
+                    dgate_l[t] += scale * at[r * N + n] * q;
                     cr[t * R + r] = gt * q;
                     sum_ad += at[r * N + n] * gt * q;
                 }
@@ -158,17 +158,19 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
     extern "C" void forward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,         \
                                    const T* const* cand, const T* g, const T* const* w,            \
                                    const int64_t* ks, const int64_t* vs, const T* const* gate,     \
-                                   double eps, T* x, T* a, T* sc, T* rho, int threads) {           \
-        forward<T>(S, R, Tn, N, C, cand, g, w, ks, vs, gate, T(eps), x, a, sc, rho, threads);      \
+                                   double scale, double eps, T* x, T* a, T* sc, T* rho,            \
+                                   int threads) {                                                  \
+        forward<T>(S, R, Tn, N, C, cand, g, w, ks, vs, gate, T(scale), T(eps), x, a, sc, rho,      \
+                   threads);                                                                       \
     }                                                                                              \
     extern "C" void backward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,        \
                                     const T* dx, const T* const* cand, const T* g,                 \
                                     const T* const* w, const int64_t* ks, const int64_t* vs,       \
-                                    const T* const* gate, const T* a, const T* sc, const T* rho,   \
-                                    T* const* gout, const T* const* gin, T* du, T* dgate,          \
-                                    int threads) {                                                 \
-        backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, a, sc, rho, gout, gin, du, dgate, \
-                    threads);                                                                      \
+                                    const T* const* gate, double scale, const T* a, const T* sc,   \
+                                    const T* rho, T* const* gout, const T* const* gin, T* du,      \
+                                    T* dgate, int threads) {                                       \
+        backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, T(scale), a, sc, rho, gout, gin, \
+                    du, dgate, threads);                                                           \
     }
 EXPORT(float, float)
 EXPORT(double, double)

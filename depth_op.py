@@ -120,9 +120,9 @@ def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
         rho = cand[0].new_empty((S, R, *cand[0].shape[:-1]))
         fn = library().forward_double if dtype == torch.float64 else library().forward_float
         fn(*map(ctypes.c_int64, (S, R, Tn, x.numel() // x.size(-1), x.size(-1))), ptrs(cand), ptr(g), ptrs(ws),
-           int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(eps), ptr(x), ptr(a), ptr(s),
-           ptr(rho), ctypes.c_int(torch.get_num_threads()))
-        return (x.mul_(scale) if scale != 1 else x), a, s, rho
+           int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ctypes.c_double(eps),
+           ptr(x), ptr(a), ptr(s), ptr(rho), ctypes.c_int(torch.get_num_threads()))
+        return x, a, s, rho
     return read_torch(ws, g, cand, R, routes, gates, eps, scale)
 
 def read_torch(ws, g, cand, R, routes, gates, eps, scale=1.0):
@@ -150,7 +150,6 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0):
     gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
     last candidate is a partial (n = R - 1), the partials' gradients. x = scale * (the sum): the
     backward of the sum from scale * dx."""
-    dx = dx * scale if scale != 1 else dx
     S, Tn, n, dtype = len(cand) // R, len(ws), dS[0].size(0), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     gS = [torch.empty_like(d, memory_format=torch.contiguous_format) for d in dS]
@@ -166,11 +165,11 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0):
             du, dgate = cand[0].new_empty((Tn, g.size(-1))), cand[0].new_empty(Tn)
             fn = library().backward_double if dtype == torch.float64 else library().backward_float
             fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptr(g),
-               ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ptr(a), ptr(s), ptr(rho), ptrs(gout),
-               ptrs(gin), ptr(du), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
+               ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ptr(a), ptr(s),
+               ptr(rho), ptrs(gout), ptrs(gin), ptr(du), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
         else:
             u = [fp32(g) * fp32(w) for w in ws]
-            dx = fp32(dx)
+            dx = scale * fp32(dx)
             grads = [0 if t is None else fp32(t) for t in gin]
             du, dgate = [], []
             for t in range(Tn):
