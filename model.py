@@ -326,12 +326,12 @@ class DepthState:
         # H^j.append(P^j) ; P^j = 0
         for j, p in enumerate(self.P):
             self.H[j].append(p)
-            self.handle[j] = depth_op.grow(self.handle[j], p)
+            self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
         self.P = None
 
     def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
         """N x and the weights (targets, N, B, T), N candidates per stream: x = sum_t fusion_t h_t
-        (one target: its read), h_t = depth_read(queries[t], g, C^{key_streams[t]},
+        (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g, C^{key_streams[t]},
         C^{value_streams[t]}), in one operation; C^j = H^j, plus P^j if included and not 0."""
         partial = self.include_partial and self.P is not None
         C = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H
