@@ -1,5 +1,5 @@
 // The depth read of depth_op.py on CPU, forward and backward, one pass over the candidates per token
-// (depth_op.py has the equations). Plain C++ with OpenMP and no torch headers: it compiles in a
+// (depth_op.py has the equations), and DAR's write, one pass over its tensors. Plain C++ with OpenMP and no torch headers: it compiles in a
 // fraction of a second; depth_op.py builds it once and calls it through ctypes.
 // S streams of R candidates each: stream s's candidate r is cand[s * R + r] (N, C), its rms
 // rho (S, R, N), taken in forward. T targets: target t has the query row w[t] (C), reads the keys
@@ -154,6 +154,89 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
     }
 }
 
+// DAR's write of y into the two partials, with beta^0, beta^1 (C) and rho, each P (N, C):
+// P^0' = rho P^0 + (1-rho) P^1 + beta^0 y ; P^1' = (1-rho) P^0 + rho P^1 + beta^1 y ; without
+// partials (P0 null: a block starts) P^j' = beta^j y.
+template <typename T>
+static void write_forward(int64_t N, int64_t C, const T* P0, const T* P1, const T* y, const T* b0,
+                          const T* b1, const T* rho, T* o0, T* o1, int threads) {
+    const T r = P0 ? *rho : T(0);
+    #pragma omp parallel for num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const T* yn = y + n * C;
+        T* o0n = o0 + n * C;
+        T* o1n = o1 + n * C;
+        if (P0) {
+            const T* p0 = P0 + n * C;
+            const T* p1 = P1 + n * C;
+            #pragma omp simd
+            for (int64_t c = 0; c < C; c++) {
+                o0n[c] = r * p0[c] + (1 - r) * p1[c] + b0[c] * yn[c];
+                o1n[c] = (1 - r) * p0[c] + r * p1[c] + b1[c] * yn[c];
+            }
+        } else {
+            #pragma omp simd
+            for (int64_t c = 0; c < C; c++) {
+                o0n[c] = b0[c] * yn[c];
+                o1n[c] = b1[c] * yn[c];
+            }
+        }
+    }
+}
+
+// Its backward from d0, d1 (the gradients of P^0', P^1'):
+// dP^0 = rho d0 + (1-rho) d1 ; dP^1 = (1-rho) d0 + rho d1 ; dy = beta^0 d0 + beta^1 d1 ;
+// dbeta^j = sum_n y d_j ; drho = sum (P^0 - P^1) . (d0 - d1). dP0, dP1, drho unused without partials.
+template <typename T>
+static void write_backward(int64_t N, int64_t C, const T* P0, const T* P1, const T* y, const T* b0,
+                           const T* b1, const T* rho, const T* d0, const T* d1, T* dP0, T* dP1, T* dy,
+                           T* db0, T* db1, T* drho, int threads) {
+    const T r = P0 ? *rho : T(0);
+    std::vector<T> db_t(threads * 2 * C, T(0)), drho_t(threads, T(0));
+    #pragma omp parallel num_threads(threads)
+    {
+        const int th = omp_get_thread_num();
+        T* db0_l = db_t.data() + th * 2 * C;
+        T* db1_l = db0_l + C;
+        T dr = 0;
+        #pragma omp for
+        for (int64_t n = 0; n < N; n++) {
+            const T* yn = y + n * C;
+            const T* d0n = d0 + n * C;
+            const T* d1n = d1 + n * C;
+            T* dyn = dy + n * C;
+            #pragma omp simd
+            for (int64_t c = 0; c < C; c++) {
+                dyn[c] = b0[c] * d0n[c] + b1[c] * d1n[c];
+                db0_l[c] += yn[c] * d0n[c];
+                db1_l[c] += yn[c] * d1n[c];
+            }
+            if (!P0) continue;
+            const T* p0 = P0 + n * C;
+            const T* p1 = P1 + n * C;
+            T* dp0 = dP0 + n * C;
+            T* dp1 = dP1 + n * C;
+            #pragma omp simd reduction(+:dr)
+            for (int64_t c = 0; c < C; c++) {
+                dp0[c] = r * d0n[c] + (1 - r) * d1n[c];
+                dp1[c] = (1 - r) * d0n[c] + r * d1n[c];
+                dr += (p0[c] - p1[c]) * (d0n[c] - d1n[c]);
+            }
+        }
+        drho_t[th] = dr;
+    }
+    T dr = 0;
+    for (int64_t c = 0; c < C; c++) db0[c] = db1[c] = 0;
+    for (int th = 0; th < threads; th++) {
+        for (int64_t c = 0; c < C; c++) {
+            db0[c] += db_t[th * 2 * C + c];
+            db1[c] += db_t[th * 2 * C + C + c];
+        }
+        dr += drho_t[th];
+    }
+    if (P0) *drho = dr;
+}
+
 #define EXPORT(T, name)                                                                           \
     extern "C" void forward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,         \
                                    const T* const* cand, const T* g, const T* const* w,            \
@@ -171,6 +254,18 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
                                     T* dgate, int threads) {                                       \
         backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, T(scale), a, sc, rho, gout, gin, \
                     du, dgate, threads);                                                           \
+    }                                                                                              \
+    extern "C" void write_forward_##name(int64_t N, int64_t C, const T* P0, const T* P1,           \
+                                         const T* y, const T* b0, const T* b1, const T* rho,       \
+                                         T* o0, T* o1, int threads) {                              \
+        write_forward<T>(N, C, P0, P1, y, b0, b1, rho, o0, o1, threads);                           \
+    }                                                                                              \
+    extern "C" void write_backward_##name(int64_t N, int64_t C, const T* P0, const T* P1,          \
+                                          const T* y, const T* b0, const T* b1, const T* rho,      \
+                                          const T* d0, const T* d1, T* dP0, T* dP1, T* dy,         \
+                                          T* db0, T* db1, T* drho, int threads) {                  \
+        write_backward<T>(N, C, P0, P1, y, b0, b1, rho, d0, d1, dP0, dP1, dy, db0, db1, drho,      \
+                          threads);                                                                \
     }
 EXPORT(float, float)
 EXPORT(double, double)

@@ -1,6 +1,7 @@
 """
 The depth read of model.py (model.depth_read, its definition) as one operation with its backward
-written out: the same values and gradients (test_model.py compares them in fp64), built so that
+written out, and DAR's write (model.dar_write) as another (after the read): the same
+values and gradients (test_model.py compares them in fp64), the read built so that
 - one call reads T targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
 - backward keeps only the weights and scores (T, R, B, T) and the rms (S, R, B, T), besides the
@@ -31,9 +32,11 @@ read by at most a block's sublayers, takes its gradient as a tensor of its own.
 """
 import os
 import ctypes
+import functools
 import hashlib
 import threading
 import subprocess
+from typing import Optional
 
 import torch
 
@@ -300,6 +303,108 @@ def depth_read(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
         counts = (len(ws), len(gates), len(handles), len(partials), len(cand))
         out = DepthRead.apply(g, R, flat_routes, eps, scale, counts, *ws, *gates, *handles, *partials, *cand)
     return out[0], out[1], list(out[4:])
+
+# -----------------------------------------------------------------------------
+# DAR's write (model.dar_write, its definition) as one operation
+
+def write_forward(P, y, beta, rho):
+    """[P^0', P^1'] from the partials P ([P^0, P^1], or [] where a block starts), the output y and
+    the gates beta (2, C) and rho (a scalar; None with blocks of one)."""
+    if on_kernel(P + [y, beta] + ([rho] if P else [])):
+        P, y, beta = [p.contiguous() for p in P], y.contiguous(), beta.contiguous()
+        out = [torch.empty_like(y), torch.empty_like(y)]
+        fn = library().write_forward_double if y.dtype == torch.float64 else library().write_forward_float
+        fn(*map(ctypes.c_int64, (y.numel() // y.size(-1), y.size(-1))), *map(ptr, P or [None, None]), ptr(y),
+           ptr(beta[0]), ptr(beta[1]), ptr(rho if P else None), *map(ptr, out), ctypes.c_int(torch.get_num_threads()))
+        return out
+    return write_torch(P, y, beta, rho)
+
+def write_torch(P, y, beta, rho):
+    """write_forward in torch ops."""
+    if not P:
+        return [beta[0] * y, beta[1] * y]
+    return [rho * P[0] + (1 - rho) * P[1] + beta[0] * y, (1 - rho) * P[0] + rho * P[1] + beta[1] * y]
+
+def write_backward(P, y, beta, rho, d):
+    """From d = [dP^0', dP^1']: the partials' gradients (none without), dy, dbeta and drho:
+        dP^0 = rho d0 + (1-rho) d1 ;  dP^1 = (1-rho) d0 + rho d1 ;  dy = beta^0 d0 + beta^1 d1
+        dbeta^j = sum over (B, T) of y d_j ;  drho = sum (P^0 - P^1) . (d0 - d1)"""
+    d0, d1 = [torch.zeros_like(y) if t is None else t for t in d]
+    with torch.autocast(y.device.type, enabled=False):
+        if on_kernel(P + [y, beta, d0, d1] + ([rho] if P else [])):
+            P, y, beta, d0, d1 = [p.contiguous() for p in P], y.contiguous(), beta.contiguous(), d0.contiguous(), d1.contiguous()
+            dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)
+            drho = torch.empty_like(rho) if P else None
+            fn = library().write_backward_double if y.dtype == torch.float64 else library().write_backward_float
+            fn(*map(ctypes.c_int64, (y.numel() // y.size(-1), y.size(-1))), *map(ptr, P or [None, None]), ptr(y),
+               ptr(beta[0]), ptr(beta[1]), ptr(rho if P else None), ptr(d0), ptr(d1), *map(ptr, dP or [None, None]),
+               ptr(dy), ptr(dbeta[0]), ptr(dbeta[1]), ptr(drho), ctypes.c_int(torch.get_num_threads()))
+            return dP, dy, dbeta, drho
+        dy = (beta[0] * d0 + beta[1] * d1).to(y.dtype)
+        dbeta = torch.stack([(y * d0).flatten(0, -2).sum(0), (y * d1).flatten(0, -2).sum(0)]).to(beta.dtype)
+        if not P:
+            return [], dy, dbeta, None
+        dP = [(rho * d0 + (1 - rho) * d1).to(P[0].dtype), ((1 - rho) * d0 + rho * d1).to(P[1].dtype)]
+        return dP, dy, dbeta, ((P[0] - P[1]) * (d0 - d1)).sum().to(rho.dtype)
+
+class Write(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y, beta, rho, *P):
+        ctx.save_for_backward(y, beta, rho, *P)
+        return tuple(write_forward(list(P), y, beta, rho))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d0, d1):
+        y, beta, rho, *P = ctx.saved_tensors
+        dP, dy, dbeta, drho = write_backward(P, y, beta, rho, [d0, d1])
+        return dy, dbeta, drho, *dP
+
+@torch.library.custom_op('dar::write', mutates_args=())
+def _write(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    return write_forward(P, y, beta, rho)
+
+@_write.register_fake
+def _(P, y, beta, rho):
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in P + [y, beta] + ([rho] if P else [])])
+    return [y.new_empty(y.shape, dtype=dtype) for _ in range(2)]
+
+@torch.library.custom_op('dar::write_backward', mutates_args=())
+def _write_backward(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
+                    d: list[torch.Tensor]) -> list[torch.Tensor]:
+    dP, dy, dbeta, drho = write_backward(P, y, beta, rho, d)
+    return [*dP, dy, dbeta, *([] if drho is None else [drho])]
+
+@_write_backward.register_fake
+def _(P, y, beta, rho, d):
+    return [torch.empty_like(t) for t in P + [y, beta] + ([rho] if P else [])]
+
+def _write_setup(ctx, inputs, output):
+    P, y, beta, rho = inputs
+    ctx.save_for_backward(y, beta, rho, *P)
+
+def _write_grad(ctx, d):
+    y, beta, rho, *P = ctx.saved_tensors
+    out = _write_backward(P, y, beta, rho, list(d))
+    n = len(P)
+    return out[:n], out[n], out[n + 1], out[n + 2] if P else None
+
+_write.register_autograd(_write_grad, setup_context=_write_setup)
+
+def write(P, y, beta, rho):
+    """model.dar_write as one operation: the partials P ([P^0, P^1], or None where a block starts),
+    the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
+    of one); compiled for training, beta and rho are depth_op.rows' (their code is every
+    sublayer's). Returns [P^0', P^1']."""
+    P = P or []
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return write_torch(P, y, beta, rho) # inference: traced, fused with its neighbours
+    if torch.compiler.is_compiling():
+        return _write(P, y, beta, rho)
+    if not torch.is_grad_enabled():
+        return write_forward(P, y, beta, rho)
+    return list(Write.apply(y, beta, rho, *P))
 
 # -----------------------------------------------------------------------------
 # the handles

@@ -311,10 +311,19 @@ def depth_read(w, g, keys, values):
     h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(weights, values))
     return h, weights
 
+def dar_write(P, y, beta, rho):
+    """DAR's write of y_l (B, T, C) into the partials P = [P^0, P^1] (None: P^j = 0), the definition
+    of depth_op.write (which the model runs): beta = beta_l (2, C), per channel; rho = rho_l."""
+    if P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
+        return [beta[0] * y, beta[1] * y]
+    P0, P1 = P
+    # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
+    return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
+
 class DepthState:
     """What AttnRes and DAR carry, per stream j: the committed history H^j, the partial block P^j
-    (None: P^j = 0), and handle[j], a data-less tensor of H^j's shape through which the operation
-    returns H^j's gradient (depth_op.py: why)."""
+    (None: P^j = 0), and handle[j], the path of H^j's gradient: no data, each read's backward adds
+    its part for every entry of H^j to it in one pass (depth_op.py)."""
 
     def __init__(self, e, streams, include_partial):
         self.include_partial = include_partial
@@ -330,16 +339,16 @@ class DepthState:
         self.P = None
 
     def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
-        """N x and the weights (targets, N, B, T), N candidates per stream: x = sum_t fusion_t h_t
-        (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g, C^{key_streams[t]},
+        """|C| x and the weights (targets, |C|, B, T), |C| candidates per stream: x = sum_t fusion_t
+        h_t (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g, C^{key_streams[t]},
         C^{value_streams[t]}), in one operation; C^j = H^j, plus P^j if included and not 0."""
         partial = self.include_partial and self.P is not None
-        C = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H
+        cand = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H # C^j
         routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
-        # [R] N x: at uniform weights the candidates' sum, the standard residual; the pre-norm
-        # ignores the factor but for its eps, which would damp a mean of N small entries
-        x, weights, self.handle = depth_op.depth_read(queries, g, C, routes, fusion, self.handle,
-                                                      self.P if partial else None, RMS_EPS, scale=len(C[0]))
+        # [R] |C| x: at uniform weights the candidates' sum, the standard residual (their mean would
+        # sink into the pre-norm's eps); P apart too: its gradient returns as tensors, H^j's by handle
+        x, weights, self.handle = depth_op.depth_read(queries, g, cand, routes, fusion, self.handle,
+                                                      self.P if partial else None, RMS_EPS, scale=len(cand[0]))
         return x, weights
 
 class AttnRes(nn.Module):
@@ -355,15 +364,13 @@ class AttnRes(nn.Module):
         self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
 
     def begin(self, e):
-        # b_0 = e
-        s = DepthState(e, 1, self.include_partial)
+        s = DepthState(e, 1, self.include_partial) # b_0 = e
         s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
         return s
 
     def read(self, s, l):
-        # x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, .., b_{n-1}, b_n^{i-1}], N = |V| [R]
-        x, _ = s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])
-        return x
+        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, .., b_{n-1}, b_n^{i-1}] [R: |V|]
+        return s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -409,15 +416,14 @@ class DAR(nn.Module):
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
         s = DepthState(e, 2, self.include_partial)
-        # s.w[l][j] = w^j_l and s.g[l] = g_l, each a tensor of its own (depth_op.rows: compiled, an
-        # entry taken by index would make each sublayer's code differ)
+        # rows as tensors of their own: s.w[l][j] = query[l, j] = w^j_l, s.g[l] = key_norm[l] = g_l
+        # (depth_op.rows: compiled, a row taken by index would make each sublayer's code differ)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
-        # s.fusion[l] = (alpha_l, 1 - alpha_l), alpha_l = sigmoid(a_l): the weights of h^0 and h^1
-        alpha = torch.sigmoid(self.alpha_logit)
-        s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2)
-        s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit), 2) # beta^j_l = 2 sigmoid(b^j_l)
-        # s.rho[l] = rho_l = sigmoid(r_l)
-        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else None
+        alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
+        s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
+        s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit)) # beta^j_l = 2 sigmoid(b^j_l)
+        # rho_l = sigmoid(r_l), a scalar; None with blocks of one
+        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else [None] * self.L
         return s
 
     def read(self, s, l):
@@ -425,14 +431,12 @@ class DAR(nn.Module):
             return self.fuse(s, l, *self.reads(s, l))
         queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
         key_streams, value_streams = zip(*self.routes) # cross (DAR): target j keys 1 - j, values j
-        # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), then
-        # x_l = N (alpha_l h^0 + (1 - alpha_l) h^1), N candidates per stream [R]: in one operation what
-        # self.fuse(s, l, *self.reads(s, l)) computes target by target (test_dar_read_is_its_reads_fused)
-        x, _ = s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)
-        return x
+        # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), and
+        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), |C| candidates per stream [R]: one operation
+        return s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)[0]
 
     def reads(self, s, l):
-        """N h^0, N h^1 apart and their weights (2, N, B, T): SepV's reads, and analyze.py's."""
+        """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
         h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
@@ -440,17 +444,13 @@ class DAR(nn.Module):
         return list(h), torch.cat(weights)
 
     def fuse(self, s, l, h, weights):
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (h^j times N; weights unused: analyze.Probe's)
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (h^j times |C|): SepV's and analyze.Probe's fusion
         return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
-        beta = s.beta[l] # beta^j_l = 2 sigmoid(b^j_l), per channel (C,), j = 0, 1
-        if s.P is None:
-            s.P = [beta[0] * y, beta[1] * y] # a block starts at P^j = 0: P^j <- beta^j y_l
-        else:
-            rho, (P0, P1) = s.rho[l], s.P # rho_l = sigmoid(r_l), a scalar
-            # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-            s.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
+        # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
+        # (rho_l, beta^j_l; from P^j = 0 where a block starts): dar_write, as one operation
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l])
         # commit after a block's K-th sublayer and after the last, L-1 (a short last block's partial
         # is committed too [R]): H^j.append(P^j); P^j = 0
         if (l + 1) % self.K == 0 or l + 1 == self.L:

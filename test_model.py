@@ -395,6 +395,15 @@ def readable_reads(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0
         a.append(a_t)
     return scale * x, torch.stack(a), handles
 
+def readable_write(P, y, beta, rho):
+    """depth_op.write by its definition, model.dar_write."""
+    return model_module.dar_write(P, y, beta, rho)
+
+def use_readable(monkeypatch):
+    """The model runs the readable definitions in place of depth_op's operations."""
+    monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
+    monkeypatch.setattr(depth_op, 'write', readable_write)
+
 def loss_and_grads(name, include_partial, compile=None, seed=1):
     """The training loss and every parameter's gradient of the path's fp64 model."""
     model = make(name, include_partial=include_partial).double()
@@ -415,13 +424,14 @@ def assert_same(got, want, tol=1e-10):
 @pytest.mark.parametrize('name, include_partial', [(n, p) for n in DEPTH for p in (True, False)])
 def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, body, monkeypatch):
     """Every path, routing, K and partial on / off: the loss and every gradient of the model that runs
-    depth_op (depth_op.cpp, or its torch-ops body) equal those of the readable depth_read, in fp64."""
+    depth_op (depth_op.cpp, or its torch-ops body) equal those of the readable depth_read and
+    dar_write, in fp64."""
     if body == 'torch':
         monkeypatch.setattr(depth_op, 'on_kernel', lambda tensors: False)
     else:
         assert depth_op.library() is not None, "depth_op.cpp did not build"
     got = loss_and_grads(name, include_partial)
-    monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
+    use_readable(monkeypatch)
     assert_same(got, loss_and_grads(name, include_partial))
 
 @pytest.mark.slow
@@ -431,7 +441,7 @@ def test_compiled_depth_op_equals_the_readable_reads_in_fp64(name, include_parti
     gets them, partitioned into forward and backward): the readable reads' loss and gradients."""
     torch._dynamo.reset()
     got = loss_and_grads(name, include_partial, compile='aot_eager_decomp_partition')
-    monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
+    use_readable(monkeypatch)
     assert_same(got, loss_and_grads(name, include_partial))
 
 @pytest.mark.slow
@@ -440,8 +450,27 @@ def test_inductor_depth_op_equals_the_readable_reads_in_fp64(name, monkeypatch):
     """Inductor's code around the operations: the readable reads' loss and gradients, in fp64."""
     torch._dynamo.reset()
     got = loss_and_grads(name, True, compile='inductor')
-    monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
+    use_readable(monkeypatch)
     assert_same(got, loss_and_grads(name, True), tol=1e-9)
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('partial', [False, True])
+def test_dar_write_operation_equals_its_definition(dtype, partial):
+    """depth_op.write (depth_op.cpp's fp32 and fp64 kernels) against model.dar_write: the partials,
+    and the gradients of the partials, y, beta and rho, with a block's first write (no partials)."""
+    assert depth_op.library() is not None, "depth_op.cpp did not build"
+    g = torch.Generator().manual_seed(0)
+    leaf = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
+    P, y, beta, rho = [leaf(2, 5, 8), leaf(2, 5, 8)] if partial else None, leaf(2, 5, 8), leaf(2, 8), leaf(())
+    d = [torch.randn(2, 5, 8, generator=g, dtype=dtype) for _ in range(2)]
+    inputs = (P or []) + [y, beta] + ([rho] if partial else [])
+    outs = []
+    for write in (depth_op.write, lambda P, y, beta, rho: model_module.dar_write(P, y, beta, rho)):
+        new = write(P, y, beta, rho)
+        outs.append((new, torch.autograd.grad(new, inputs, d)))
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    for got, want in zip(*[torch.utils._pytree.tree_leaves(o) for o in outs]):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 def test_depth_op_keeps_only_weights_scores_and_rms_for_backward():
     """A read's backward keeps its candidates (the model keeps them anyway), and besides them only
@@ -468,7 +497,7 @@ def test_a_failed_build_of_depth_op_runs_torch_ops_after_one_line(monkeypatch, c
     out = capsys.readouterr().out
     assert out.count('\n') == 1 and 'depth_op: could not build' in out and 'torch ops' in out
     got = loss_and_grads('dar-cross-block', True) # on torch ops, since no library
-    monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
+    use_readable(monkeypatch)
     assert_same(got, loss_and_grads('dar-cross-block', True))
 
 @pytest.mark.slow
