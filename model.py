@@ -346,7 +346,7 @@ class DepthState:
         cand = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H # C^j
         routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
         # [R] |C| x: at uniform weights the candidates' sum, the standard residual (their mean would
-        # sink into the pre-norm's eps); P apart too: its gradient returns as tensors, H^j's by handle
+        # sink into the pre-norm's eps). (P goes in apart too: its gradient returns as a tensor.)
         x, weights, self.handle = depth_op.depth_read(queries, g, cand, routes, fusion, self.handle,
                                                       self.P if partial else None, RMS_EPS, scale=len(cand[0]))
         return x, weights
@@ -422,8 +422,7 @@ class DAR(nn.Module):
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
         s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit)) # beta^j_l = 2 sigmoid(b^j_l)
-        # rho_l = sigmoid(r_l), a scalar; None with blocks of one
-        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else [None] * self.L
+        s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else [None] * self.L # rho_l = sigmoid(r_l)
         return s
 
     def read(self, s, l):
@@ -432,7 +431,8 @@ class DAR(nn.Module):
         queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
         key_streams, value_streams = zip(*self.routes) # cross (DAR): target j keys 1 - j, values j
         # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), and
-        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), |C| candidates per stream [R]: one operation
+        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), |C| candidates per stream [R]: one operation,
+        # = self.fuse(s, l, *self.reads(s, l)), target by target (test_dar_read_is_its_reads_fused)
         return s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)[0]
 
     def reads(self, s, l):
