@@ -14,6 +14,7 @@ import json
 import math
 import re
 import pickle
+import platform
 import subprocess
 import contextlib
 import glob
@@ -1841,7 +1842,7 @@ def test_the_readme_code_is_the_models():
     lines = [l.strip() for block in re.findall(r'```python\n(.*?)```', readme, flags=re.S) for l in block.splitlines()]
     assert lines and [l for l in lines if l and l not in model_lines] == []
 
-@pytest.mark.skipif(__import__('platform').libc_ver()[0] != 'glibc', reason='glibc only')
+@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='glibc only')
 def test_keep_freed_memory_is_taken_by_glibc():
     """train.py and bench.py keep freed blocks in the process (docs/bench.md); glibc must accept both
     settings, or the fresh gradient buffers page-fault on every step again."""
