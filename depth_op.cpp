@@ -1,6 +1,7 @@
 // The depth read of depth_op.py on CPU, forward and backward, one pass over the candidates per token
-// (depth_op.py has the equations), and DAR's write, one pass over its tensors. Plain C++ with OpenMP and no torch headers: it compiles in a
-// fraction of a second; depth_op.py builds it once and calls it through ctypes.
+// (depth_op.py has the equations), and DAR's write, one pass over its tensors. Plain C++ with
+// OpenMP and no torch headers: it compiles in a fraction of a second; depth_op.py builds it once
+// and calls it through ctypes.
 // S streams of R candidates each: stream s's candidate r is cand[s * R + r] (N, C), its rms
 // rho (S, R, N), taken in forward. T targets: target t has the query row w[t] (C), reads the keys
 // of stream ks[t] and the values of stream vs[t], and is scaled by *gate[t] (1 if gate is null);
@@ -76,7 +77,8 @@ template <typename T>
 static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* dx,
                      const T* const* cand, const T* g, const T* const* w, const int64_t* ks,
                      const int64_t* vs, const T* const* gate, T scale, const T* a, const T* sc,
-                     const T* rho, T* const* gout, const T* const* gin, T* du, T* dgate, int threads) {
+                     const T* rho, T* const* gout, const T* const* gin, T* du, T* dgate,
+                     int threads) {
     const std::vector<T> u = queries(Tn, C, g, w);
     std::vector<T> du_t(threads * Tn * C, T(0)), dgate_t(threads * Tn, T(0));
     #pragma omp parallel num_threads(threads)
@@ -186,11 +188,12 @@ static void write_forward(int64_t N, int64_t C, const T* P0, const T* P1, const 
 
 // Its backward from d0, d1 (the gradients of P^0', P^1'):
 // dP^0 = rho d0 + (1-rho) d1 ; dP^1 = (1-rho) d0 + rho d1 ; dy = beta^0 d0 + beta^1 d1 ;
-// dbeta^j = sum_n y d_j ; drho = sum (P^0 - P^1) . (d0 - d1). dP0, dP1, drho unused without partials.
+// dbeta^j = sum_n y d_j ; drho = sum (P^0 - P^1) . (d0 - d1). Without partials dP0, dP1 and drho
+// are unused.
 template <typename T>
 static void write_backward(int64_t N, int64_t C, const T* P0, const T* P1, const T* y, const T* b0,
-                           const T* b1, const T* rho, const T* d0, const T* d1, T* dP0, T* dP1, T* dy,
-                           T* db0, T* db1, T* drho, int threads) {
+                           const T* b1, const T* rho, const T* d0, const T* d1, T* dP0, T* dP1,
+                           T* dy, T* db0, T* db1, T* drho, int threads) {
     const T r = P0 ? *rho : T(0);
     std::vector<T> db_t(threads * 2 * C, T(0)), drho_t(threads, T(0));
     #pragma omp parallel num_threads(threads)

@@ -307,10 +307,14 @@ def depth_read(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
 # -----------------------------------------------------------------------------
 # DAR's write (model.dar_write, its definition) as one operation
 
+def write_inputs(P, y, beta, rho):
+    """The tensors a write reads: rho only with partials (a block's first write has none)."""
+    return P + [y, beta] + ([rho] if P else [])
+
 def write_forward(P, y, beta, rho):
     """[P^0', P^1'] from the partials P ([P^0, P^1], or [] where a block starts), the output y and
     the gates beta (2, C) and rho (a scalar; None with blocks of one)."""
-    if on_kernel(P + [y, beta] + ([rho] if P else [])):
+    if on_kernel(write_inputs(P, y, beta, rho)):
         P, y, beta = [p.contiguous() for p in P], y.contiguous(), beta.contiguous()
         out = [torch.empty_like(y), torch.empty_like(y)]
         fn = library().write_forward_double if y.dtype == torch.float64 else library().write_forward_float
@@ -331,7 +335,7 @@ def write_backward(P, y, beta, rho, d):
         dbeta^j = sum over (B, T) of y d_j ;  drho = sum (P^0 - P^1) . (d0 - d1)"""
     d0, d1 = [torch.zeros_like(y) if t is None else t for t in d]
     with torch.autocast(y.device.type, enabled=False):
-        if on_kernel(P + [y, beta, d0, d1] + ([rho] if P else [])):
+        if on_kernel(write_inputs(P, y, beta, rho) + [d0, d1]):
             P, y, beta, d0, d1 = [p.contiguous() for p in P], y.contiguous(), beta.contiguous(), d0.contiguous(), d1.contiguous()
             dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)
             drho = torch.empty_like(rho) if P else None
@@ -367,7 +371,7 @@ def _write(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Opti
 
 @_write.register_fake
 def _(P, y, beta, rho):
-    dtype = functools.reduce(torch.promote_types, [t.dtype for t in P + [y, beta] + ([rho] if P else [])])
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in write_inputs(P, y, beta, rho)])
     return [y.new_empty(y.shape, dtype=dtype) for _ in range(2)]
 
 @torch.library.custom_op('dar::write_backward', mutates_args=())
@@ -378,7 +382,7 @@ def _write_backward(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, 
 
 @_write_backward.register_fake
 def _(P, y, beta, rho, d):
-    return [torch.empty_like(t) for t in P + [y, beta] + ([rho] if P else [])]
+    return [torch.empty_like(t) for t in write_inputs(P, y, beta, rho)]
 
 def _write_setup(ctx, inputs, output):
     P, y, beta, rho = inputs

@@ -396,14 +396,10 @@ def readable_reads(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0
         a.append(a_t)
     return scale * x, torch.stack(a), handles
 
-def readable_write(P, y, beta, rho):
-    """depth_op.write by its definition, model.dar_write."""
-    return model_module.dar_write(P, y, beta, rho)
-
 def use_readable(monkeypatch):
     """The model runs the readable definitions in place of depth_op's operations."""
     monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
-    monkeypatch.setattr(depth_op, 'write', readable_write)
+    monkeypatch.setattr(depth_op, 'write', model_module.dar_write)
 
 def loss_and_grads(name, include_partial, compile=None, seed=1):
     """The training loss and every parameter's gradient of the path's fp64 model."""
@@ -466,7 +462,7 @@ def test_dar_write_operation_equals_its_definition(dtype, partial):
     d = [torch.randn(2, 5, 8, generator=g, dtype=dtype) for _ in range(2)]
     inputs = (P or []) + [y, beta] + ([rho] if partial else [])
     outs = []
-    for write in (depth_op.write, lambda P, y, beta, rho: model_module.dar_write(P, y, beta, rho)):
+    for write in (depth_op.write, model_module.dar_write):
         new = write(P, y, beta, rho)
         outs.append((new, torch.autograd.grad(new, inputs, d)))
     tol = 1e-6 if dtype == torch.float32 else 1e-12
