@@ -148,14 +148,16 @@ def read_torch(ws, g, cand, R, routes, gates, eps, scale=1.0):
             x = x + sum(wr.unsqueeze(-1) * v for wr, v in zip(weights, values))
     return scale * x, torch.stack(a), torch.stack(s), rho
 
-def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0):
+def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, in_place=False):
     """From dx and the incoming gradients dS of the S handles (n, B, T, C; n = R or R - 1): the
     gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
     last candidate is a partial (n = R - 1), the partials' gradients. x = scale * (the sum): the
-    backward of the sum from scale * dx."""
+    backward of the sum from scale * dx. in_place: a handle's gradient is added into dS where dS
+    holds data (eager: one buffer per stream for the whole backward, not a new one per read)."""
     S, Tn, n, dtype = len(cand) // R, len(ws), dS[0].size(0), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
-    gS = [torch.empty_like(d, memory_format=torch.contiguous_format) for d in dS]
+    gS = [d if in_place and d.is_contiguous() else torch.empty_like(d, memory_format=torch.contiguous_format)
+          for d in dS]
     dP = [torch.empty_like(cand[0], memory_format=torch.contiguous_format) for _ in range(S)] if n < R else []
     # where each candidate's gradient goes, and what it adds to: its handle's slot, or a partial's
     gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
@@ -228,7 +230,8 @@ class DepthRead(torch.autograd.Function):
         g, a, s, rho, *rest = ctx.saved_tensors
         Tn, nG, S, nP, nC = ctx.counts
         ws, gates, cand = split(rest, (Tn, nG, nC))
-        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(dS), ctx.scale)
+        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(dS), ctx.scale,
+                                                   in_place=True)
         return dg, None, None, None, None, None, *dws, *dgates, *gS, *dP, *[None] * nC
 
 # -----------------------------------------------------------------------------
