@@ -486,6 +486,22 @@ def test_depth_op_keeps_only_weights_scores_and_rms_for_backward():
     big = [t for t in saved if t.numel() >= 16 * 32 and t.untyped_storage().data_ptr() not in candidates]
     assert big == [] and len(saved) > 0
 
+def test_eager_backward_adds_into_one_handle_gradient_per_stream(monkeypatch):
+    """Eager, every read's backward adds into the handle gradient it receives: one buffer per
+    stream for the whole backward (a new one per read cost page faults), the gradients unchanged
+    (the fp64 tests above)."""
+    model = make('dar-cross-block')
+    model.train()
+    storages, read_backward = set(), depth_op.read_backward
+    def recorded(*args, **kwargs):
+        out = read_backward(*args, **kwargs)
+        storages.update(t.untyped_storage().data_ptr() for t in out[3]) # gS, per stream
+        return out
+    monkeypatch.setattr(depth_op, 'read_backward', recorded)
+    _, loss = model(torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16)))
+    loss.backward()
+    assert len(storages) == 2
+
 def test_a_failed_build_of_depth_op_runs_torch_ops_after_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(depth_op, '_lib', [])
     monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
