@@ -314,6 +314,12 @@ def write_inputs(P, y, beta, rho):
     """The tensors a write reads: rho only with partials (a block's first write has none)."""
     return P + [y, beta] + ([rho] if P else [])
 
+def write_args(P, y, beta, rho):
+    """The arguments depth_op.cpp's write_forward and write_backward begin with: N, C, P^0, P^1,
+    y, beta^0, beta^1, rho (null pointers for the partials and rho where a block starts)."""
+    return (*map(ctypes.c_int64, (y.numel() // y.size(-1), y.size(-1))), *map(ptr, P or [None, None]), ptr(y),
+            ptr(beta[0]), ptr(beta[1]), ptr(rho if P else None))
+
 def write_forward(P, y, beta, rho):
     """[P^0', P^1'] from the partials P ([P^0, P^1], or [] where a block starts), the output y and
     the gates beta (2, C) and rho (a scalar; None with blocks of one)."""
@@ -321,8 +327,7 @@ def write_forward(P, y, beta, rho):
         P, y, beta = [p.contiguous() for p in P], y.contiguous(), beta.contiguous()
         out = [torch.empty_like(y), torch.empty_like(y)]
         fn = library().write_forward_double if y.dtype == torch.float64 else library().write_forward_float
-        fn(*map(ctypes.c_int64, (y.numel() // y.size(-1), y.size(-1))), *map(ptr, P or [None, None]), ptr(y),
-           ptr(beta[0]), ptr(beta[1]), ptr(rho if P else None), *map(ptr, out), ctypes.c_int(torch.get_num_threads()))
+        fn(*write_args(P, y, beta, rho), *map(ptr, out), ctypes.c_int(torch.get_num_threads()))
         return out
     return write_torch(P, y, beta, rho)
 
@@ -343,9 +348,8 @@ def write_backward(P, y, beta, rho, d):
             dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)
             drho = torch.empty_like(rho) if P else None
             fn = library().write_backward_double if y.dtype == torch.float64 else library().write_backward_float
-            fn(*map(ctypes.c_int64, (y.numel() // y.size(-1), y.size(-1))), *map(ptr, P or [None, None]), ptr(y),
-               ptr(beta[0]), ptr(beta[1]), ptr(rho if P else None), ptr(d0), ptr(d1), *map(ptr, dP or [None, None]),
-               ptr(dy), ptr(dbeta[0]), ptr(dbeta[1]), ptr(drho), ctypes.c_int(torch.get_num_threads()))
+            fn(*write_args(P, y, beta, rho), ptr(d0), ptr(d1), *map(ptr, dP or [None, None]), ptr(dy), ptr(dbeta[0]),
+               ptr(dbeta[1]), ptr(drho), ctypes.c_int(torch.get_num_threads()))
             return dP, dy, dbeta, drho
         dy = (beta[0] * d0 + beta[1] * d1).to(y.dtype)
         dbeta = torch.stack([(y * d0).flatten(0, -2).sum(0), (y * d1).flatten(0, -2).sum(0)]).to(beta.dtype)
