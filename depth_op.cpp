@@ -77,7 +77,7 @@ template <typename T>
 static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* dx,
                      const T* const* cand, const T* g, const T* const* w, const int64_t* ks,
                      const int64_t* vs, const T* const* gate, T scale, const T* a, const T* sc,
-                     const T* rho, T* const* gout, const T* const* gin, T* du, T* dgate,
+                     const T* rho, T* const* gout, const T* const* gin, T* dw, T* dg, T* dgate,
                      int threads) {
     const std::vector<T> u = queries(Tn, C, g, w);
     std::vector<T> du_t(threads * Tn * C, T(0)), dgate_t(threads * Tn, T(0));
@@ -148,11 +148,19 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
             }
         }
     }
-    for (int64_t i = 0; i < Tn * C; i++) du[i] = 0;
+    // du_t summed over the threads ; dw_t = du_t * g ; dg = sum_t du_t * w_t
+    std::vector<T> du(Tn * C, T(0));
     for (int64_t t = 0; t < Tn; t++) dgate[t] = 0;
     for (int th = 0; th < threads; th++) {
         for (int64_t i = 0; i < Tn * C; i++) du[i] += du_t[th * Tn * C + i];
         for (int64_t t = 0; t < Tn; t++) dgate[t] += dgate_t[th * Tn + t];
+    }
+    for (int64_t c = 0; c < C; c++) dg[c] = 0;
+    for (int64_t t = 0; t < Tn; t++) {
+        for (int64_t c = 0; c < C; c++) {
+            dw[t * C + c] = du[t * C + c] * g[c];
+            dg[c] += du[t * C + c] * w[t][c];
+        }
     }
 }
 
@@ -253,10 +261,10 @@ static void write_backward(int64_t N, int64_t C, const T* P0, const T* P1, const
                                     const T* dx, const T* const* cand, const T* g,                 \
                                     const T* const* w, const int64_t* ks, const int64_t* vs,       \
                                     const T* const* gate, double scale, const T* a, const T* sc,   \
-                                    const T* rho, T* const* gout, const T* const* gin, T* du,      \
-                                    T* dgate, int threads) {                                       \
+                                    const T* rho, T* const* gout, const T* const* gin, T* dw,      \
+                                    T* dg, T* dgate, int threads) {                                \
         backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, T(scale), a, sc, rho, gout, gin, \
-                    du, dgate, threads);                                                           \
+                    dw, dg, dgate, threads);                                                       \
     }                                                                                              \
     extern "C" void write_forward_##name(int64_t N, int64_t C, const T* P0, const T* P1,           \
                                          const T* y, const T* b0, const T* b1, const T* rho,       \

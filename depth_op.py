@@ -1,6 +1,6 @@
 """
-The depth read of model.py (model.depth_read, its definition) as one operation with its backward
-written out, and DAR's write (model.dar_write) as another (after the read): the same
+The depth read of model.py (model.depth_read, its definition) as one operation, fused_read, with
+its backward written out, and DAR's write (model.dar_write) as another (after the read): the same
 values and gradients (test_model.py compares them in fp64), the read built so that
 - one call reads T targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
@@ -162,40 +162,40 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, i
     # where each candidate's gradient goes, and what it adds to: its handle's slot, or a partial's
     gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
     gin = [t for j in range(S) for t in [*dS[j].unbind(0), None][:R]]
+    if on_kernel(cand + ws + gates + [g, dx] + dS): # (all of one dtype: so are dw, dg and dgate)
+        # (every tensor the kernel reads held by a name here, alive through the call)
+        cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
+        gin, a, s, rho = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rho.contiguous()
+        dw, dg, dgate = cand[0].new_empty((Tn, g.size(-1))), g.new_empty(g.shape), cand[0].new_empty(Tn)
+        fn = library().backward_double if dtype == torch.float64 else library().backward_float
+        fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptr(g),
+           ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ptr(a), ptr(s),
+           ptr(rho), ptrs(gout), ptrs(gin), ptr(dw), ptr(dg), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
+        return list(dw.unbind(0)), dg, list(dgate.unbind(0)) if gates else [], gS, dP
     with torch.autocast(g.device.type, enabled=False):
-        if on_kernel(cand + ws + gates + [g, dx] + dS):
-            # (every tensor the kernel reads held by a name here, alive through the call)
-            cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
-            gin, a, s, rho = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rho.contiguous()
-            du, dgate = cand[0].new_empty((Tn, g.size(-1))), cand[0].new_empty(Tn)
-            fn = library().backward_double if dtype == torch.float64 else library().backward_float
-            fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptr(g),
-               ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ptr(a), ptr(s),
-               ptr(rho), ptrs(gout), ptrs(gin), ptr(du), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
-        else:
-            u = [fp32(g) * fp32(w) for w in ws]
-            dx = scale * fp32(dx)
-            grads = [0 if t is None else fp32(t) for t in gin]
-            du, dgate = [], []
-            for t in range(Tn):
-                keys, values = cand[ks[t] * R:(ks[t] + 1) * R], cand[vs[t] * R:(vs[t] + 1) * R]
-                gate = 1 if not gates else gates[t]
-                # q_r = dx . v_r ; dgate_t = sum_r a_r q_r ; da_r = gate_t q_r
-                q = torch.stack([torch.linalg.vecdot(dx, fp32(v)) for v in values])
-                dgate.append((a[t] * q).sum())
-                da = gate * q
-                # c_r = a_r (da_r - sum_p a_p da_p) / rho_r
-                c = a[t] * (da - (a[t] * da).sum(0)) / rho[ks[t]]
-                du.append(sum(cr.flatten() @ fp32(k).flatten(0, -2) for cr, k in zip(c, keys)))
-                for r in range(R):
-                    # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate_t a_r dx
-                    k = fp32(keys[r])
-                    dk = c[r].unsqueeze(-1) * (u[t] - (s[t, r] / (k.size(-1) * rho[ks[t], r])).unsqueeze(-1) * k)
-                    grads[ks[t] * R + r] = grads[ks[t] * R + r] + dk
-                    grads[vs[t] * R + r] = grads[vs[t] * R + r] + (gate * a[t, r]).unsqueeze(-1) * dx
-            for out, grad in zip(gout, grads):
-                out.copy_(grad)
-            du, dgate = torch.stack(du), torch.stack(dgate)
+        u = [fp32(g) * fp32(w) for w in ws]
+        dx = scale * fp32(dx)
+        grads = [0 if t is None else fp32(t) for t in gin]
+        du, dgate = [], []
+        for t in range(Tn):
+            keys, values = cand[ks[t] * R:(ks[t] + 1) * R], cand[vs[t] * R:(vs[t] + 1) * R]
+            gate = 1 if not gates else gates[t]
+            # q_r = dx . v_r ; dgate_t = sum_r a_r q_r ; da_r = gate_t q_r
+            q = torch.stack([torch.linalg.vecdot(dx, fp32(v)) for v in values])
+            dgate.append((a[t] * q).sum())
+            da = gate * q
+            # c_r = a_r (da_r - sum_p a_p da_p) / rho_r
+            c = a[t] * (da - (a[t] * da).sum(0)) / rho[ks[t]]
+            du.append(sum(cr.flatten() @ fp32(k).flatten(0, -2) for cr, k in zip(c, keys)))
+            for r in range(R):
+                # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate_t a_r dx
+                k = fp32(keys[r])
+                dk = c[r].unsqueeze(-1) * (u[t] - (s[t, r] / (k.size(-1) * rho[ks[t], r])).unsqueeze(-1) * k)
+                grads[ks[t] * R + r] = grads[ks[t] * R + r] + dk
+                grads[vs[t] * R + r] = grads[vs[t] * R + r] + (gate * a[t, r]).unsqueeze(-1) * dx
+        for out, grad in zip(gout, grads):
+            out.copy_(grad)
+        du, dgate = torch.stack(du), torch.stack(dgate)
     # dw_t = du_t * g ; dg = sum_t du_t * w_t
     dws = [(du[t] * g).to(w.dtype) for t, w in enumerate(ws)]
     dg = sum(du[t] * w for t, w in enumerate(ws)).to(g.dtype)
@@ -237,7 +237,7 @@ class DepthRead(torch.autograd.Function):
 # -----------------------------------------------------------------------------
 # compiled: custom operations, forward and backward, opaque to the compiler
 
-@torch.library.custom_op('dar::depth_read', mutates_args=())
+@torch.library.custom_op('dar::fused_read', mutates_args=())
 def _read(ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int, routes: list[int],
           gates: list[torch.Tensor], eps: float, scale: float, handles: list[torch.Tensor],
           partials: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -252,12 +252,13 @@ def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials):
     rho = x.new_empty((len(cand) // R, R, *v.shape[:-1]))
     return [x, a, s, rho, *[passed_on(S) for S in handles]]
 
-@torch.library.custom_op('dar::depth_read_backward', mutates_args=())
+@torch.library.custom_op('dar::fused_read_backward', mutates_args=())
 def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int,
                    routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
                    dS: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
     dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale)
-    return [*dws, dg, *dgates, *gS, *dP]
+    # (a custom operation's outputs are tensors of their own: the kernel's rows are views)
+    return [*[t.clone() for t in dws], dg, *[t.clone() for t in dgates], *gS, *dP]
 
 @_read_backward.register_fake
 def _(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale):
@@ -282,7 +283,7 @@ def _backward(ctx, grads):
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def depth_read(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
+def fused_read(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
     """x = scale sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the
     targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
     (data: their gradients run through handles and partials); routes: per target, the stream of its
@@ -342,15 +343,15 @@ def write_backward(P, y, beta, rho, d):
         dP^0 = rho d0 + (1-rho) d1 ;  dP^1 = (1-rho) d0 + rho d1 ;  dy = beta^0 d0 + beta^1 d1
         dbeta^j = sum over (B, T) of y d_j ;  drho = sum (P^0 - P^1) . (d0 - d1)"""
     d0, d1 = [torch.zeros_like(y) if t is None else t for t in d]
+    if on_kernel(write_inputs(P, y, beta, rho) + [d0, d1]):
+        P, y, beta, d0, d1 = [p.contiguous() for p in P], y.contiguous(), beta.contiguous(), d0.contiguous(), d1.contiguous()
+        dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)
+        drho = torch.empty_like(rho) if P else None
+        fn = library().write_backward_double if y.dtype == torch.float64 else library().write_backward_float
+        fn(*write_args(P, y, beta, rho), ptr(d0), ptr(d1), *map(ptr, dP or [None, None]), ptr(dy), ptr(dbeta[0]),
+           ptr(dbeta[1]), ptr(drho), ctypes.c_int(torch.get_num_threads()))
+        return dP, dy, dbeta, drho
     with torch.autocast(y.device.type, enabled=False):
-        if on_kernel(write_inputs(P, y, beta, rho) + [d0, d1]):
-            P, y, beta, d0, d1 = [p.contiguous() for p in P], y.contiguous(), beta.contiguous(), d0.contiguous(), d1.contiguous()
-            dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)
-            drho = torch.empty_like(rho) if P else None
-            fn = library().write_backward_double if y.dtype == torch.float64 else library().write_backward_float
-            fn(*write_args(P, y, beta, rho), ptr(d0), ptr(d1), *map(ptr, dP or [None, None]), ptr(dy), ptr(dbeta[0]),
-               ptr(dbeta[1]), ptr(drho), ctypes.c_int(torch.get_num_threads()))
-            return dP, dy, dbeta, drho
         dy = (beta[0] * d0 + beta[1] * d1).to(y.dtype)
         dbeta = torch.stack([(y * d0).flatten(0, -2).sum(0), (y * d1).flatten(0, -2).sum(0)]).to(beta.dtype)
         if not P:

@@ -129,7 +129,7 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float()) # (B*T, E)
         probs = logits.softmax(-1)
         gate, expert = probs.topk(k, dim=-1) # (B*T, k)
-        # g_i = p_i / sum_{top-k} p
+        # gate_i = p_i / sum_{top-k} p
         gate = gate / gate.sum(-1, keepdim=True)
         # group the B*T*k (token, expert) slots by expert
         slot_expert = expert.view(-1) # (B*T*k,)
@@ -137,12 +137,12 @@ class MoE(nn.Module):
         token = order // k # slot = token * k + choice
         counts = slot_expert.new_zeros(E).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
         ys = self.experts(x[token], counts, slot_expert[order]) # (B*T*k, C)
-        # y = sum_{i in top-k} g_i expert_i(x)
+        # y = sum_{i in top-k} gate_i expert_i(x)
         weighted = ys * gate.view(-1)[order].unsqueeze(-1).to(ys.dtype)
         y = torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, weighted)
         if self.shared is not None:
             y = y + self.shared(x)
-        # load balance = E * sum_e f_e P_e: f_e share of the slots routed to e, P_e mean router prob
+        # load balance = E * sum_e f_e p_e: f_e share of the slots routed to e, p_e mean router prob
         f = counts.float() / counts.sum()
         balance = E * (f * probs.mean(0)).sum()
         # z-loss = mean over tokens of logsumexp(router logits)^2
@@ -167,7 +167,9 @@ class MoE(nn.Module):
 
 class Layer(nn.Module):
     """nanoGPT's Block, its residual additions replaced by the path's read and write. Sublayers
-    count from 0: l = 0..L-1 is f_{l+1} of equations.md; l = L is the final read, into ln_f."""
+    count from 0: l = 0..L-1 is f_{l+1} of equations.md; l = L is the final read, into ln_f.
+    AttnRes and DAR read |C| x_l, |C| = candidates per stream [R]: Norm_l ignores the factor except
+    through its eps; at zero queries |C| x_l is the standard h_{l-1} (DepthState.read)."""
 
     def __init__(self, config, i):
         super().__init__()
@@ -298,7 +300,7 @@ class MHC(nn.Module):
 
 # depth attention, shared by AttnRes and DAR
 def depth_read(w, g, keys, values):
-    """One reader's softmax over depth, the definition of depth_op.depth_read (which the model
+    """One reader's softmax over depth, the definition of depth_op.fused_read (which the model
     runs): w, g (n_embd,) its pseudo-query and keys' RMSNorm weight; R keys, values (B, T, C).
     Scores in fp32 (fp32(v): v in fp32; fp64 stays fp64, for the tests)."""
     # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6
@@ -321,34 +323,34 @@ def dar_write(P, y, beta, rho):
     return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
 
 class DepthState:
-    """What AttnRes and DAR carry, per stream j: the committed history H^j, the partial block P^j
-    (None: P^j = 0), and handle[j], the path of H^j's gradient: no data, each read's backward adds
-    its part for every entry of H^j to it in one pass (depth_op.py)."""
+    """Per stream j: the committed history H^j, the partial block P^j (None: P^j = 0), handle[j]
+    (no data: fused_read's backward passes H^j's gradient through it, depth_op.py)."""
 
-    def __init__(self, e, streams, include_partial):
-        self.include_partial = include_partial
+    def __init__(self, e, streams):
         # H^j_0 = e ; P^j = 0, held as P = None (no partial yet)
         self.H, self.P = [[e] for _ in range(streams)], None
-        self.handle = [depth_op.grow(None, e) for _ in range(streams)]
+        self.handle = [depth_op.grow(None, e) for _ in range(streams)] # (no value: see above)
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
         for j, p in enumerate(self.P):
             self.H[j].append(p)
-            self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
+            self.handle[j] = depth_op.grow(self.handle[j], p) # (no value: see above)
         self.P = None
 
-    def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
-        """|C| x and the weights (targets, |C|, B, T), |C| candidates per stream: x = sum_t fusion_t
-        h_t (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g, C^{key_streams[t]},
-        C^{value_streams[t]}), in one operation; C^j = H^j, plus P^j if included and not 0."""
-        partial = self.include_partial and self.P is not None
-        cand = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H # C^j
-        routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
-        # [R] |C| x: at uniform weights the candidates' sum, the standard residual (their mean would
-        # sink into the pre-norm's eps). (P goes in apart too: its gradient returns as a tensor.)
-        x, weights, self.handle = depth_op.depth_read(queries, g, cand, routes, fusion, self.handle,
-                                                      self.P if partial else None, RMS_EPS, scale=len(cand[0]))
+    def candidates(self, include_partial):
+        """C^j = H^j, plus P^j if include_partial and P^j is not 0 (a block's first one: H^j)"""
+        return [H + [P] for H, P in zip(self.H, self.P)] if include_partial and self.P else self.H
+
+    def read(self, queries, g, C, routes, fusion=None):
+        """|C| x, x = sum_t fusion_t h_t (no fusion: x = h_0), h_t = depth_read(queries[t], g, keys
+        C^{routes[t][0]}, values C^{routes[t][1]}) = sum_r softmax_r(k_r . (g * w) / rms(k_r)) v_r,
+        and the weights (targets, |C|, B, T)."""
+        P = self.P if len(C[0]) > len(self.H[0]) else None # the partials, if in C (for the backward)
+        # [R] |C| x: at zero queries, the candidates' sum, the standard h_{l-1}; Norm_l ignores the
+        # factor but for its eps, which would damp the mean h_{l-1}/|C| at depth (docs/depth.md)
+        x, weights, self.handle = depth_op.fused_read(queries, g, C, routes, fusion, self.handle, P,
+                                                      RMS_EPS, scale=len(C[0]))
         return x, weights
 
 class AttnRes(nn.Module):
@@ -364,29 +366,29 @@ class AttnRes(nn.Module):
         self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
 
     def begin(self, e):
-        s = DepthState(e, 1, self.include_partial) # b_0 = e
+        s = DepthState(e, 1) # b_0 = e
         s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
         return s
 
     def read(self, s, l):
-        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, .., b_{n-1}, b_n^{i-1}] [R: |V|]
-        return s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])[0]
+        C = s.candidates(self.include_partial) # [V], V = [b_0, .., b_{n-1}] (+ b_n^{i-1}, i >= 2)
+        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r: keys and values V [R: |V|, Layer]
+        return s.read([s.w[l]], s.g[l], C, routes=[(0, 0)])[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
         s.P = [y if s.P is None else s.P[0] + y]
-        # after a block's K-th sublayer ((l + 1) % K == 0), and after sublayer L - 1: commit b_n
-        if (l + 1) % self.K == 0 or l + 1 == self.L:
+        if (l + 1) % self.K == 0 or l + 1 == self.L: # a block's K-th sublayer, or L - 1: commit b_n
             s.commit()
         return s
 
-# dar_routing -> for target j: (the stream of its keys, the stream of its values); SepV: DAR.reads
+# dar_routing -> per target j = 0, 1: (the stream of its keys, the stream of its values)
 ROUTES = {
-    'cross': lambda j: (1 - j, j), # DAR: keys RMSNorm(C^{1-j}), values C^j
-    'self': lambda j: (j, j), # SelfKV: keys RMSNorm(C^j), values C^j
-    'crossv': lambda j: (j, 1 - j), # CrossV: keys RMSNorm(C^j), values C^{1-j}
-    'fixed': lambda j: (0, 1), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
-    'sepv': lambda j: (j, j), # SepV: keys RMSNorm(C^j), values W^j_V C^j
+    'cross': [(1, 0), (0, 1)], # DAR: keys RMSNorm(C^{1-j}), values C^j: (1 - j, j)
+    'self': [(0, 0), (1, 1)], # SelfKV: keys RMSNorm(C^j), values C^j
+    'crossv': [(0, 1), (1, 0)], # CrossV: keys RMSNorm(C^j), values C^{1-j}
+    'fixed': [(0, 1), (0, 1)], # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
+    'sepv': [(0, 0), (1, 1)], # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
 }
 
 class DAR(nn.Module):
@@ -398,7 +400,7 @@ class DAR(nn.Module):
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
         # per target j = 0, 1: (the stream of its keys, the stream of its values)
-        self.routes = [ROUTES[config.dar_routing](j) for j in (0, 1)]
+        self.routes = ROUTES[config.dar_routing]
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -414,10 +416,9 @@ class DAR(nn.Module):
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
-        # H^0_0 = H^1_0 = e [R]
-        s = DepthState(e, 2, self.include_partial)
-        # rows as tensors of their own: s.w[l][j] = query[l, j] = w^j_l, s.g[l] = key_norm[l] = g_l
-        # (depth_op.rows: compiled, a row taken by index would make each sublayer's code differ)
+        s = DepthState(e, 2) # H^0_0 = H^1_0 = e [R]
+        # s.w[l][j] = query[l, j] = w^j_l, s.g[l] = key_norm[l] = g_l: rows(t, 2)[l][j] is t[l, j], a
+        # tensor of its own (compiled, a row taken by index would make each sublayer's code differ)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -428,16 +429,18 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
-        key_streams, value_streams = zip(*self.routes) # cross (DAR): target j keys 1 - j, values j
-        # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), and
-        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), |C| candidates per stream [R]: one operation,
-        # = self.fuse(s, l, *self.reads(s, l)), target by target (test_dar_read_is_its_reads_fused)
-        return s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)[0]
+        C = s.candidates(self.include_partial) # C^j: H^j, then P^j (if not 0)
+        # target j: keys C^{1-j}, the opposite stream's (RMSNorm'd with g_l in the read), and values
+        # C^j, its own, raw: self.routes[j] = (keys' stream, values' stream) = (1 - j, j) (cross)
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{1-j}_r)) C^j_r (depth_read) ; fusion =
+        # (alpha_l, 1 - alpha_l): x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R: |C|, Layer]
+        x, weights = s.read(s.w[l], s.g[l], C, self.routes, fusion=s.fusion[l])
+        return x
 
     def reads(self, s, l):
         """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
-        h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)])
+        C = s.candidates(self.include_partial)
+        h, weights = zip(*[s.read([w], s.g[l], C, [route]) for w, route in zip(s.w[l], self.routes)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
@@ -449,10 +452,8 @@ class DAR(nn.Module):
 
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        # (rho_l, beta^j_l; from P^j = 0 where a block starts): dar_write, as one operation
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l])
-        # commit after a block's K-th sublayer and after the last, L-1 (a short last block's partial
-        # is committed too [R]): H^j.append(P^j); P^j = 0
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # dar_write (P None: P^j <- beta^j y_l)
+        # after a block's K-th sublayer, and after the last, L-1 (a short last one too [R]): commit
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
@@ -564,8 +565,7 @@ class GPT(nn.Module):
     def estimate_mfu(self, fwdbwd_per_iter, dt):
         """Model flops utilization against the bf16 dense peak of this GPU (PaLM Appendix B flops;
         the depth reads are not counted). None if the peak is unknown."""
-        # bf16 dense peak flops (vendor datasheets)
-        peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12}
+        peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12} # bf16 dense peaks
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
         peak = next((v for k, v in peaks.items() if k in name), None)
         if peak is None:

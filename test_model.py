@@ -388,7 +388,7 @@ def test_gradient_reaches_every_parameter(name):
 DEPTH = [n for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar') and '+moe' not in n]
 
 def readable_reads(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
-    """depth_op.depth_read by its definition: x = scale sum_t gate_t depth_read(target t)."""
+    """depth_op.fused_read by its definition: x = scale sum_t gate_t depth_read(target t)."""
     x, a = 0, []
     for t, (k, v) in enumerate(routes):
         h, a_t = model_module.depth_read(ws[t], g, cand[k], cand[v])
@@ -398,7 +398,7 @@ def readable_reads(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0
 
 def use_readable(monkeypatch):
     """The model runs the readable definitions in place of depth_op's operations."""
-    monkeypatch.setattr(depth_op, 'depth_read', readable_reads)
+    monkeypatch.setattr(depth_op, 'fused_read', readable_reads)
     monkeypatch.setattr(depth_op, 'write', model_module.dar_write)
 
 def loss_and_grads(name, include_partial, compile=None, seed=1):
