@@ -167,9 +167,7 @@ class MoE(nn.Module):
 
 class Layer(nn.Module):
     """nanoGPT's Block, its residual additions replaced by the path's read and write. Sublayers
-    count from 0: l = 0..L-1 is f_{l+1} of equations.md; l = L is the final read, into ln_f.
-    AttnRes and DAR read |C| x_l, |C| = candidates per stream [R]: Norm_l ignores the factor except
-    through its eps; at zero queries |C| x_l is the standard h_{l-1} (DepthState.read)."""
+    count from 0: l = 0..L-1 is f_{l+1} of equations.md; l = L is the final read, into ln_f."""
 
     def __init__(self, config, i):
         super().__init__()
@@ -323,34 +321,34 @@ def dar_write(P, y, beta, rho):
     return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
 
 class DepthState:
-    """Per stream j: the committed history H^j, the partial block P^j (None: P^j = 0), handle[j]
-    (no data: fused_read's backward passes H^j's gradient through it, depth_op.py)."""
+    """What AttnRes and DAR carry, per stream j: the committed history H^j, the partial block P^j
+    (None: P^j = 0), and handle[j], the path of H^j's gradient: no data, each read's backward adds
+    its part for every entry of H^j to it in one pass (depth_op.py)."""
 
-    def __init__(self, e, streams):
+    def __init__(self, e, streams, include_partial):
+        self.include_partial = include_partial
         # H^j_0 = e ; P^j = 0, held as P = None (no partial yet)
         self.H, self.P = [[e] for _ in range(streams)], None
-        self.handle = [depth_op.grow(None, e) for _ in range(streams)] # (no value: see above)
+        self.handle = [depth_op.grow(None, e) for _ in range(streams)]
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
         for j, p in enumerate(self.P):
             self.H[j].append(p)
-            self.handle[j] = depth_op.grow(self.handle[j], p) # (no value: see above)
+            self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
         self.P = None
 
-    def candidates(self, include_partial):
-        """C^j = H^j, plus P^j if include_partial and P^j is not 0 (a block's first one: H^j)"""
-        return [H + [P] for H, P in zip(self.H, self.P)] if include_partial and self.P else self.H
-
-    def read(self, queries, g, C, routes, fusion=None):
-        """|C| x, x = sum_t fusion_t h_t (no fusion: x = h_0), h_t = depth_read(queries[t], g, keys
-        C^{routes[t][0]}, values C^{routes[t][1]}) = sum_r softmax_r(k_r . (g * w) / rms(k_r)) v_r,
-        and the weights (targets, |C|, B, T)."""
-        P = self.P if len(C[0]) > len(self.H[0]) else None # the partials, if in C (for the backward)
-        # [R] |C| x: at zero queries, the candidates' sum, the standard h_{l-1}; Norm_l ignores the
-        # factor but for its eps, which would damp the mean h_{l-1}/|C| at depth (docs/depth.md)
-        x, weights, self.handle = depth_op.fused_read(queries, g, C, routes, fusion, self.handle, P,
-                                                      RMS_EPS, scale=len(C[0]))
+    def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
+        """|C| x and the weights (targets, |C|, B, T), |C| candidates per stream: x = sum_t fusion_t
+        h_t (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g, C^{key_streams[t]},
+        C^{value_streams[t]}), in one operation; C^j = H^j, plus P^j if included and not 0."""
+        partial = self.include_partial and self.P is not None
+        cand = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H # C^j
+        routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
+        # [R] |C| x: at uniform weights the candidates' sum, the standard residual (their mean would
+        # sink into the pre-norm's eps). (P goes in apart too: its gradient returns as a tensor.)
+        x, weights, self.handle = depth_op.fused_read(queries, g, cand, routes, fusion, self.handle,
+                                                      self.P if partial else None, RMS_EPS, scale=len(cand[0]))
         return x, weights
 
 class AttnRes(nn.Module):
@@ -366,19 +364,19 @@ class AttnRes(nn.Module):
         self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
 
     def begin(self, e):
-        s = DepthState(e, 1) # b_0 = e
+        s = DepthState(e, 1, self.include_partial) # b_0 = e
         s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
         return s
 
     def read(self, s, l):
-        C = s.candidates(self.include_partial) # [V], V = [b_0, .., b_{n-1}] (+ b_n^{i-1}, i >= 2)
-        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r: keys and values V [R: |V|, Layer]
-        return s.read([s.w[l]], s.g[l], C, routes=[(0, 0)])[0]
+        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, .., b_{n-1}, b_n^{i-1}] [R: |V|]
+        return s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
         s.P = [y if s.P is None else s.P[0] + y]
-        if (l + 1) % self.K == 0 or l + 1 == self.L: # a block's K-th sublayer, or L - 1: commit b_n
+        # after a block's K-th sublayer ((l + 1) % K == 0), and after sublayer L - 1: commit b_n
+        if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
 
@@ -416,9 +414,10 @@ class DAR(nn.Module):
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
-        s = DepthState(e, 2) # H^0_0 = H^1_0 = e [R]
-        # s.w[l][j] = query[l, j] = w^j_l, s.g[l] = key_norm[l] = g_l: rows(t, 2)[l][j] is t[l, j], a
-        # tensor of its own (compiled, a row taken by index would make each sublayer's code differ)
+        # H^0_0 = H^1_0 = e [R]
+        s = DepthState(e, 2, self.include_partial)
+        # rows as tensors of their own: s.w[l][j] = query[l, j] = w^j_l, s.g[l] = key_norm[l] = g_l
+        # (depth_op.rows: compiled, a row taken by index would make each sublayer's code differ)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -429,18 +428,16 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        C = s.candidates(self.include_partial) # C^j: H^j, then P^j (if not 0)
-        # target j: keys C^{1-j}, the opposite stream's (RMSNorm'd with g_l in the read), and values
-        # C^j, its own, raw: self.routes[j] = (keys' stream, values' stream) = (1 - j, j) (cross)
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{1-j}_r)) C^j_r (depth_read) ; fusion =
-        # (alpha_l, 1 - alpha_l): x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R: |C|, Layer]
-        x, weights = s.read(s.w[l], s.g[l], C, self.routes, fusion=s.fusion[l])
-        return x
+        queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
+        key_streams, value_streams = zip(*self.routes) # cross (DAR): target j keys 1 - j, values j
+        # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), and
+        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), |C| candidates per stream [R]: one operation,
+        # = self.fuse(s, l, *self.reads(s, l)), target by target (test_dar_read_is_its_reads_fused)
+        return s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)[0]
 
     def reads(self, s, l):
         """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
-        C = s.candidates(self.include_partial)
-        h, weights = zip(*[s.read([w], s.g[l], C, [route]) for w, route in zip(s.w[l], self.routes)])
+        h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
@@ -452,8 +449,10 @@ class DAR(nn.Module):
 
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # dar_write (P None: P^j <- beta^j y_l)
-        # after a block's K-th sublayer, and after the last, L-1 (a short last one too [R]): commit
+        # (rho_l, beta^j_l; from P^j = 0 where a block starts): dar_write, as one operation
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l])
+        # commit after a block's K-th sublayer and after the last, L-1 (a short last block's partial
+        # is committed too [R]): H^j.append(P^j); P^j = 0
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
@@ -565,7 +564,8 @@ class GPT(nn.Module):
     def estimate_mfu(self, fwdbwd_per_iter, dt):
         """Model flops utilization against the bf16 dense peak of this GPU (PaLM Appendix B flops;
         the depth reads are not counted). None if the peak is unknown."""
-        peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12} # bf16 dense peaks
+        # bf16 dense peak flops (vendor datasheets)
+        peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12}
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
         peak = next((v for k, v in peaks.items() if k in name), None)
         if peak is None:
