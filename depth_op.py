@@ -7,8 +7,8 @@ values and gradients (test_model.py compares them in fp64), the read built so th
 - backward keeps only the weights and scores (T, R, B, T) and the rms (S, R, B, T), besides the
   candidates, which the model keeps anyway: no temporary of the model's width;
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
-- it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), torch ops
-  elsewhere.
+- it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
+  kernels on CUDA (tested on CPU in Triton's interpreter), torch ops elsewhere.
 
 Target t reads the keys k_r of one stream and the values v_r of one (the same or another), with
 its pseudo-query w_t, the key-norm weight g (u_t = g * w_t) and a gate gate_t (1 if none):
@@ -106,6 +106,197 @@ def int64s(values):
     return (ctypes.c_int64 * len(values))(*values)
 
 # -----------------------------------------------------------------------------
+# on CUDA: Triton kernels, the same passes as depth_op.cpp (on CPU, under TRITON_INTERPRET=1, in
+# Triton's interpreter: how the tests run them). A program takes BN tokens; the candidates reach it
+# as a table of addresses, so nothing is copied or stacked per read, and one compile serves every
+# R. Computed in fp32 (fp64 stays fp64).
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError: # the CPU build of torch comes without Triton
+    triton = None
+INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
+_triton_failed = [] # a kernel that failed to compile, once: torch ops from then on
+
+def on_triton(tensors):
+    """Whether the Triton kernels compute a read of these tensors: on CUDA, or any device under
+    Triton's interpreter; float tensors (bfloat16 candidates are read in fp32)."""
+    return (triton is not None and not _triton_failed and (tensors[0].is_cuda or INTERPRET)
+            and all(t.is_floating_point() for t in tensors))
+
+if triton is not None:
+    @triton.jit
+    def _tile(table, i, offs, mask, DT: tl.constexpr):
+        """Rows offs of the tensor whose address is table[i] (none: zeros)."""
+        addr = tl.load(table + i)
+        given = offs * 0 + addr != 0 # (as a block: the interpreter takes no scalar in a mask)
+        return tl.load(addr.to(tl.pointer_type(DT)) + offs, mask=mask & given, other=0.0)
+
+    @triton.jit(do_not_specialize=['R']) # one compile for every history length
+    def _read_fwd(cand, u, ks, vs, gt, x, sc, rho, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
+                  BC: tl.constexpr, DT: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        c = tl.arange(0, BC)
+        rows = n < N
+        mask = rows[:, None] & (c < C)[None, :]
+        offs = n[:, None] * C + c[None, :]
+        # rho_r = sqrt(mean(k_r^2) + eps), of every candidate (backward's)
+        for i in range(S * R):
+            k = _tile(cand, i, offs, mask, DT)
+            tl.store(rho + i * N + n, tl.sqrt(tl.sum(k * k, 1) / C + eps), mask=rows)
+        xn = tl.zeros([BN, BC], dtype=DT)
+        for t in tl.static_range(TN):
+            kt, vt = tl.load(ks + t), tl.load(vs + t)
+            ut = tl.load(u + t * C + c, mask=c < C, other=0.0)
+            # h = sum_r softmax_r(s) v_r, online: running max m, sum z of exp(s_r - m), and h
+            m = tl.full([BN], float('-inf'), DT)
+            z = tl.zeros([BN], dtype=DT)
+            h = tl.zeros([BN, BC], dtype=DT)
+            for r in range(R):
+                k = _tile(cand, kt * R + r, offs, mask, DT)
+                # s_r = (k_r . u) / rho_r (rho again: the stores above are another thread's)
+                s = tl.sum(k * ut[None, :], 1) / tl.sqrt(tl.sum(k * k, 1) / C + eps)
+                tl.store(sc + (t * R + r) * N + n, s, mask=rows)
+                m_new = tl.maximum(m, s)
+                z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
+                h = h * tl.exp(m - m_new)[:, None] + tl.exp(s - m_new)[:, None] * _tile(cand, vt * R + r, offs, mask, DT)
+                m = m_new
+            # x += gate_t h
+            xn += (tl.load(gt + t) / z)[:, None] * h
+        tl.store(x + offs, xn, mask=mask)
+
+    @triton.jit
+    def _coefficients(t, r, kt, gt_t, sa_t, a, q, sc, rho, n, rows, N, C, R):
+        """Of target t and candidate r: c_r = a_r gate (q_r - sum_p a_p q_p) / rho_r, the key part's
+        -c_r s_r / (C rho_r), and the value part's gate a_r."""
+        i = (t * R + r) * N + n
+        ar = tl.load(a + i, mask=rows, other=0.0)
+        rh = tl.load(rho + (kt * R + r) * N + n, mask=rows, other=1.0)
+        cr = ar * gt_t * (tl.load(q + i, mask=rows, other=0.0) - sa_t) / rh
+        return cr, -cr * tl.load(sc + i, mask=rows, other=0.0) / (C * rh), gt_t * ar
+
+    @triton.jit(do_not_specialize=['R'])
+    def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rho, gin, gout, q, sa, du, dgate, N, C, R, S,
+                  TN: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+        pid = tl.program_id(0)
+        n = pid * BN + tl.arange(0, BN)
+        c = tl.arange(0, BC)
+        rows = n < N
+        mask = rows[:, None] & (c < C)[None, :]
+        offs = n[:, None] * C + c[None, :]
+        d = tl.load(dx + offs, mask=mask, other=0.0).to(DT)
+        # q_r = dx . v_r ; sum_r a_r q_r per token (sa) and over the program's tokens (dgate / scale)
+        for t in tl.static_range(TN):
+            vt = tl.load(vs + t)
+            aq = tl.zeros([BN], dtype=DT)
+            for r in range(R):
+                qr = tl.sum(d * _tile(cand, vt * R + r, offs, mask, DT), 1)
+                tl.store(q + (t * R + r) * N + n, qr, mask=rows)
+                aq += tl.load(a + (t * R + r) * N + n, mask=rows, other=0.0) * qr
+            tl.store(sa + t * N + n, aq, mask=rows)
+            tl.store(dgate + pid * TN + t, tl.sum(aq, 0))
+        tl.debug_barrier() # q and sa, stored above by other threads of the program, read below
+        k0, v0, g0 = tl.load(ks), tl.load(vs), tl.load(gt)
+        u0 = tl.load(u + c, mask=c < C, other=0.0)
+        sa0 = tl.load(sa + n, mask=rows, other=0.0)
+        du0 = tl.zeros([BC], dtype=DT)
+        if TN == 2:
+            k1, v1, g1 = tl.load(ks + 1), tl.load(vs + 1), tl.load(gt + 1)
+            u1 = tl.load(u + C + c, mask=c < C, other=0.0)
+            sa1 = tl.load(sa + N + n, mask=rows, other=0.0)
+        du1 = tl.zeros([BC], dtype=DT)
+        # per candidate: out = in + dk_r + dv_r of every target keyed or valued there, and du_t
+        for i in range(S * R):
+            s, r = i // R, i % R
+            k = _tile(cand, i, offs, mask, DT)
+            out = _tile(gin, i, offs, mask, DT)
+            cr, kk, w = _coefficients(0, r, k0, g0, sa0, a, q, sc, rho, n, rows, N, C, R)
+            key, value = (k0 == s).to(DT), (v0 == s).to(DT)
+            # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate a_r dx ; du_t += c_r k_r
+            out += key * (kk[:, None] * k + cr[:, None] * u0[None, :]) + value * w[:, None] * d
+            du0 += key * tl.sum(cr[:, None] * k, 0)
+            if TN == 2:
+                cr, kk, w = _coefficients(1, r, k1, g1, sa1, a, q, sc, rho, n, rows, N, C, R)
+                key, value = (k1 == s).to(DT), (v1 == s).to(DT)
+                out += key * (kk[:, None] * k + cr[:, None] * u1[None, :]) + value * w[:, None] * d
+                du1 += key * tl.sum(cr[:, None] * k, 0)
+            addr = tl.load(gout + i)
+            tl.store(addr.to(tl.pointer_type(DT)) + offs, out, mask=mask)
+        tl.store(du + pid * TN * C + c, du0, mask=c < C)
+        if TN == 2:
+            tl.store(du + (pid * TN + 1) * C + c, du1, mask=c < C)
+
+WARPS = 8 # with tiles of 2048 values, no register spills on sm_90 (docs/gpu.md)
+
+def blocks(C):
+    """Tokens a program (BN) and the row width padded to a power of two (BC), for width C."""
+    BC = triton.next_power_of_2(C)
+    return max(1, min(64, 2048 // BC)), BC
+
+def triton_launch(kernel, N, C, args, TN, dtype):
+    """kernel over N tokens of width C, BN tokens a program."""
+    BN, BC = blocks(C)
+    DT = tl.float64 if dtype == torch.float64 else tl.float32
+    kernel[(triton.cdiv(N, BN),)](*args, TN=TN, BN=BN, BC=BC, DT=DT, num_warps=WARPS)
+
+def triton_failed(e):
+    """A kernel that did not compile or launch (a Triton or driver this code has not met): one line,
+    then torch ops for every read. Under the interpreter (the tests) the error stands."""
+    if INTERPRET:
+        raise e
+    last = (str(e).strip().splitlines() or [''])[-1]
+    print(f"depth_op: the Triton kernels failed ({type(e).__name__}: {last}); depth reads run as torch ops, slower")
+    _triton_failed.append(e)
+
+def triton_dtype(tensors):
+    return torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+
+def addresses(tensors, device):
+    """The table of the tensors' addresses (0 for None), on device."""
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+
+def triton_inputs(ws, g, cand, R, routes, gates, scale):
+    """The compute dtype, the candidates in it (contiguous), u (T, C), the routes' tables and
+    scale * gate_t (T,), on the candidates' device."""
+    dtype = triton_dtype(cand)
+    cand = [k.to(dtype).contiguous() for k in cand]
+    device, Tn = cand[0].device, len(ws)
+    u = g.to(dtype) * torch.stack(ws).to(dtype) # u_t = g * w_t
+    gt = scale * (torch.stack(gates).to(dtype) if gates else torch.ones(Tn, dtype=dtype, device=device))
+    ks, vs = (torch.tensor(routes[i::2], dtype=torch.int64).to(device) for i in (0, 1))
+    return dtype, cand, u.contiguous(), ks, vs, gt.contiguous()
+
+def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
+    S, Tn = len(cand) // R, len(ws)
+    dtype, cand, u, ks, vs, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
+    N, C = cand[0].numel() // cand[0].size(-1), cand[0].size(-1)
+    x = torch.empty(cand[0].shape, dtype=dtype, device=cand[0].device)
+    s, rho = x.new_empty((Tn, R, N)), x.new_empty((S, R, N))
+    triton_launch(_read_fwd, N, C, (addresses(cand, x.device), u, ks, vs, gt, x, s, rho, N, C, R, S, eps), Tn, dtype)
+    shape = (R, *cand[0].shape[:-1])
+    return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rho.view(S, *shape)
+
+def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale):
+    """dw (T, C), dg and dgate (T,); the candidates' gradients written to gout (in place: gin)."""
+    S, Tn = len(cand) // R, len(ws)
+    dtype, cand, u, ks, vs, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
+    N, C, device = cand[0].numel() // cand[0].size(-1), cand[0].size(-1), cand[0].device
+    # a handle's gradient that holds no data (an expanded zero) adds nothing: no address
+    gin = [None if t is None or max(t.stride()) == 0 else t.contiguous() for t in gin]
+    q, sa = a.new_empty((Tn, R, N), dtype=dtype), a.new_empty((Tn, N), dtype=dtype)
+    du = a.new_empty((triton.cdiv(N, blocks(C)[0]), Tn, C), dtype=dtype)
+    dgate = a.new_empty((du.size(0), Tn), dtype=dtype)
+    args = (dx.contiguous(), addresses(cand, device), u, ks, vs, gt, a.contiguous(), s.contiguous(), rho.contiguous(),
+            addresses(gin, device), addresses(gout, device), q, sa, du, dgate, N, C, R, S)
+    triton_launch(_read_bwd, N, C, args, Tn, dtype)
+    # dw_t = du_t * g ; dg = sum_t du_t * w_t ; dgate_t = scale sum_r a_r q_r
+    du, dgate = du.sum(0), scale * dgate.sum(0)
+    dws = [(du[t] * g.to(dtype)).to(w.dtype) for t, w in enumerate(ws)]
+    dg = (du * torch.stack(ws).to(dtype)).sum(0).to(g.dtype)
+    return dws, dg, [dgate[t].to(gt.dtype) for t, gt in enumerate(gates)]
+
+# -----------------------------------------------------------------------------
 # the read, forward and backward: by depth_op.cpp or by torch ops. S streams of R candidates, cand
 # flat (stream s's candidate r at s * R + r); T targets, target t reading the keys of stream
 # routes[2t] and the values of stream routes[2t + 1], with the query row ws[t], the key-norm weight
@@ -115,6 +306,12 @@ def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
     """x = scale sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the rms rho (S, R, B, T)."""
     S, Tn, dtype = len(cand) // R, len(ws), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
+    if on_triton(cand + ws + gates + [g]):
+        try:
+            with torch.autocast(g.device.type, enabled=False):
+                return read_forward_triton(ws, g, cand, R, routes, gates, eps, scale)
+        except Exception as e:
+            triton_failed(e)
     if on_kernel(cand + ws + gates + [g]):
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous()
@@ -162,6 +359,12 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, i
     # where each candidate's gradient goes, and what it adds to: its handle's slot, or a partial's
     gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
     gin = [t for j in range(S) for t in [*dS[j].unbind(0), None][:R]]
+    if on_triton(cand + ws + gates + [g, dx]) and all(t.dtype == triton_dtype(cand) for t in gout):
+        try:
+            with torch.autocast(g.device.type, enabled=False):
+                return *read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale), gS, dP
+        except Exception as e:
+            triton_failed(e)
     if on_kernel(cand + ws + gates + [g, dx] + dS): # (all of one dtype: so are dw, dg and dgate)
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()

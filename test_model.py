@@ -417,15 +417,23 @@ def assert_same(got, want, tol=1e-10):
     for n in want[1]:
         torch.testing.assert_close(got[1][n], want[1][n], rtol=tol, atol=tol, msg=n)
 
-@pytest.mark.parametrize('body', ['kernel', 'torch'])
+def needs_interpreter():
+    if not depth_op.INTERPRET:
+        pytest.skip("Triton's interpreter: test_triton_kernels_in_the_interpreter runs this with TRITON_INTERPRET=1")
+
+@pytest.mark.parametrize('body', ['kernel', 'torch', 'triton'])
 @pytest.mark.parametrize('name, include_partial', [(n, p) for n in DEPTH for p in (True, False)])
 def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, body, monkeypatch):
     """Every path, routing, K and partial on / off: the loss and every gradient of the model that runs
-    depth_op (depth_op.cpp, or its torch-ops body) equal those of the readable depth_read and
-    dar_write, in fp64."""
-    if body == 'torch':
+    depth_op (depth_op.cpp, its torch-ops body, or its Triton kernels in Triton's interpreter) equal
+    those of the readable depth_read and dar_write, in fp64."""
+    if body == 'triton':
+        needs_interpreter()
+    elif body == 'torch':
+        monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
         monkeypatch.setattr(depth_op, 'on_kernel', lambda tensors: False)
     else:
+        monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
         assert depth_op.library() is not None, "depth_op.cpp did not build"
     got = loss_and_grads(name, include_partial)
     use_readable(monkeypatch)
@@ -449,6 +457,83 @@ def test_inductor_depth_op_equals_the_readable_reads_in_fp64(name, monkeypatch):
     got = loss_and_grads(name, True, compile='inductor')
     use_readable(monkeypatch)
     assert_same(got, loss_and_grads(name, True), tol=1e-9)
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('routes', [[0, 0], [1, 0, 0, 1], [0, 0, 1, 1], [0, 1, 0, 1]])
+def test_triton_read_equals_its_torch_ops(routes, dtype):
+    """The Triton kernels (in Triton's interpreter) against the read's torch ops: x, the weights,
+    scores and rms, and every gradient, with and without gates and a partial, into new buffers and
+    in place, over several programs (150 tokens), rows not a power of two wide (40)."""
+    needs_interpreter()
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)
+    S, Tn, R, C, tol = max(routes) + 1, len(routes) // 2, 3, 40, 1e-4 if dtype == torch.float32 else 1e-10
+    for gated, partial, in_place in [(False, False, False), (True, True, False), (True, False, True), (False, True, True)]:
+        cand, ws, w_g = [rand(5, 30, C) for _ in range(S * R)], [rand(C) for _ in range(Tn)], rand(C).abs() + 0.5
+        gates = [rand(()) for _ in range(Tn)] if gated else []
+        args = (ws, w_g, cand, R, routes, gates)
+        got, want = depth_op.read_forward(*args, EPS, float(R)), depth_op.read_torch(*args, EPS, float(R))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        dx, dS = rand(5, 30, C), [rand(R - partial, 5, 30, C) for _ in range(S)]
+        backward = lambda: depth_op.read_backward(dx, *args, *want[1:], [d.clone() for d in dS], float(R), in_place)
+        got = backward()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(depth_op, 'on_triton', lambda tensors: False)
+            m.setattr(depth_op, 'on_kernel', lambda tensors: False)
+            want_grads = backward()
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want_grads)):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+@pytest.mark.slow
+def test_triton_kernels_in_the_interpreter():
+    """depth_op's Triton kernels (CUDA's) run on CPU in Triton's interpreter (TRITON_INTERPRET=1,
+    set before Triton loads: a process of its own): the tests marked for it, none skipped."""
+    pytest.importorskip('triton', reason='pip install triton: its interpreter runs the CUDA kernels on CPU')
+    env = dict(os.environ, TRITON_INTERPRET='1')
+    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', os.path.join(ROOT, 'test_model.py'),
+                        '-k', 'triton_read_equals or (readable_reads_in_fp64 and triton and not compiled)'],
+                       capture_output=True, text=True, env=env, cwd=ROOT)
+    summary = p.stdout.strip().splitlines()[-1]
+    assert p.returncode == 0 and 'skipped' not in summary and re.search(r'\b(\d+) passed', summary), p.stdout[-3000:]
+    assert int(re.search(r'(\d+) passed', summary)[1]) == 8 + 2 * len(DEPTH), summary
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_a_gpu_without_one():
+    """The Triton kernels compiled as a GPU would (sm_90, an H100: Triton's own compiler and
+    ptxas, no driver needed) to a cubin, both widths' tiles, one target and two, fp32 and fp64."""
+    triton = pytest.importorskip('triton', reason='pip install triton')
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    fwd = ['cand', 'u', 'ks', 'vs', 'gt', 'x', 'sc', 'rho', 'N', 'C', 'R', 'S', 'eps']
+    bwd = ['dx', 'cand', 'u', 'ks', 'vs', 'gt', 'a', 'sc', 'rho', 'gin', 'gout', 'q', 'sa', 'du', 'dgate', 'N', 'C', 'R', 'S']
+    for dtype, DT in (('fp32', triton.language.float32), ('fp64', triton.language.float64)):
+        kind = lambda name: 'i32' if name in ('N', 'C', 'R', 'S') else 'fp32' if name == 'eps' else \
+            '*i64' if name in ('cand', 'ks', 'vs', 'gin', 'gout') else f'*{dtype}'
+        for kernel, names in ((depth_op._read_fwd, fwd), (depth_op._read_bwd, bwd)):
+            for TN, C in ((1, 768), (2, 768), (2, 128)):
+                BN, BC = depth_op.blocks(C)
+                signature = {n: kind(n) for n in names} | dict.fromkeys(('TN', 'BN', 'BC', 'DT'), 'constexpr')
+                src = ASTSource(fn=kernel, signature=signature, constexprs=dict(TN=TN, BN=BN, BC=BC, DT=DT))
+                compiled = triton.compile(src, target=GPUTarget('cuda', 90, 32), options=dict(num_warps=depth_op.WARPS))
+                assert len(compiled.asm['cubin']) > 0
+
+def test_triton_kernels_that_fail_run_torch_ops_after_one_line(monkeypatch, capsys):
+    """Where the Triton kernels cannot run (here: compiled for a GPU, given CPU tensors), one line,
+    and the reads run as torch ops from then on, with the same result."""
+    pytest.importorskip('triton', reason='pip install triton')
+    if depth_op.INTERPRET:
+        pytest.skip('under the interpreter the kernels run on CPU')
+    monkeypatch.setattr(depth_op, '_triton_failed', [])
+    monkeypatch.setattr(depth_op, 'on_kernel', lambda tensors: False)
+    on_triton = depth_op.on_triton
+    monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: not depth_op._triton_failed)
+    got = loss_and_grads('dar-cross-block', True)
+    out = capsys.readouterr().out
+    assert out.count('\n') == 1 and 'depth_op: the Triton kernels failed' in out and 'torch ops' in out, out
+    monkeypatch.setattr(depth_op, 'on_triton', on_triton)
+    use_readable(monkeypatch)
+    assert_same(got, loss_and_grads('dar-cross-block', True))
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('partial', [False, True])
