@@ -8,7 +8,7 @@ values and gradients (test_model.py compares them in fp64), the read built so th
   candidates, which the model keeps anyway: no temporary of the model's width;
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
 - it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
-  kernels on CUDA (tested on CPU in Triton's interpreter), torch ops elsewhere.
+  kernels on CUDA (tested on CPU in Triton's interpreter), torch ops elsewhere. So does the write.
 
 Target t reads the keys k_r of one stream and the values v_r of one (the same or another), with
 its pseudo-query w_t, the key-norm weight g (u_t = g * w_t) and a gate gate_t (1 if none):
@@ -227,6 +227,54 @@ if triton is not None:
         if TN == 2:
             tl.store(du + (pid * TN + 1) * C + c, du1, mask=c < C)
 
+    @triton.jit
+    def _write_fwd(P0, P1, y, beta, rho, o0, o1, N, C, HAS_P: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        c = tl.arange(0, BC)
+        mask = (n < N)[:, None] & (c < C)[None, :]
+        offs = n[:, None] * C + c[None, :]
+        DT = o0.dtype.element_ty # fp32 (fp64 stays fp64); y may be bf16
+        yv = tl.load(y + offs, mask=mask, other=0.0).to(DT)
+        b0 = tl.load(beta + c, mask=c < C, other=0.0).to(DT)[None, :]
+        b1 = tl.load(beta + C + c, mask=c < C, other=0.0).to(DT)[None, :]
+        if HAS_P:
+            # P^0' = rho P^0 + (1-rho) P^1 + beta^0 y ; P^1' = (1-rho) P^0 + rho P^1 + beta^1 y
+            r = tl.load(rho).to(DT)
+            p0 = tl.load(P0 + offs, mask=mask, other=0.0).to(DT)
+            p1 = tl.load(P1 + offs, mask=mask, other=0.0).to(DT)
+            tl.store(o0 + offs, r * p0 + (1 - r) * p1 + b0 * yv, mask=mask)
+            tl.store(o1 + offs, (1 - r) * p0 + r * p1 + b1 * yv, mask=mask)
+        else: # a block starts: P^j' = beta^j y
+            tl.store(o0 + offs, b0 * yv, mask=mask)
+            tl.store(o1 + offs, b1 * yv, mask=mask)
+
+    @triton.jit
+    def _write_bwd(P0, P1, y, beta, rho, d0, d1, dP0, dP1, dy, dbeta, drho, N, C, HAS_P: tl.constexpr,
+                   BN: tl.constexpr, BC: tl.constexpr):
+        pid = tl.program_id(0)
+        n = pid * BN + tl.arange(0, BN)
+        c = tl.arange(0, BC)
+        mask = (n < N)[:, None] & (c < C)[None, :]
+        offs = n[:, None] * C + c[None, :]
+        DT = d0.dtype.element_ty
+        yv = tl.load(y + offs, mask=mask, other=0.0).to(DT)
+        g0 = tl.load(d0 + offs, mask=mask, other=0.0)
+        g1 = tl.load(d1 + offs, mask=mask, other=0.0).to(DT)
+        b0 = tl.load(beta + c, mask=c < C, other=0.0).to(DT)[None, :]
+        b1 = tl.load(beta + C + c, mask=c < C, other=0.0).to(DT)[None, :]
+        # dy = beta^0 d0 + beta^1 d1 ; dbeta^j = sum over tokens of y d_j (this program's part)
+        tl.store(dy + offs, b0 * g0 + b1 * g1, mask=mask)
+        tl.store(dbeta + pid * 2 * C + c, tl.sum(yv * g0, 0), mask=c < C)
+        tl.store(dbeta + (pid * 2 + 1) * C + c, tl.sum(yv * g1, 0), mask=c < C)
+        if HAS_P:
+            # dP^0 = rho d0 + (1-rho) d1 ; dP^1 = (1-rho) d0 + rho d1 ; drho = sum (P^0 - P^1) . (d0 - d1)
+            r = tl.load(rho).to(DT)
+            tl.store(dP0 + offs, r * g0 + (1 - r) * g1, mask=mask)
+            tl.store(dP1 + offs, (1 - r) * g0 + r * g1, mask=mask)
+            p0 = tl.load(P0 + offs, mask=mask, other=0.0).to(DT)
+            p1 = tl.load(P1 + offs, mask=mask, other=0.0).to(DT)
+            tl.store(drho + pid, tl.sum(tl.sum((p0 - p1) * (g0 - g1), 1), 0))
+
 WARPS = 8 # with tiles of 2048 values, no register spills on sm_90 (docs/gpu.md)
 
 def blocks(C):
@@ -295,6 +343,29 @@ def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout
     dws = [(du[t] * g.to(dtype)).to(w.dtype) for t, w in enumerate(ws)]
     dg = (du * torch.stack(ws).to(dtype)).sum(0).to(g.dtype)
     return dws, dg, [dgate[t].to(gt.dtype) for t, gt in enumerate(gates)]
+
+def write_forward_triton(P, y, beta, rho):
+    N, C = y.numel() // y.size(-1), y.size(-1)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in write_inputs(P, y, beta, rho)])
+    out = [torch.empty(y.shape, dtype=dtype, device=y.device) for _ in range(2)]
+    BN, BC = blocks(C)
+    # (without partials, the kernel reads none: out and beta stand in for P and rho)
+    _write_fwd[(triton.cdiv(N, BN),)](*([p.contiguous() for p in P] or out), y.contiguous(), beta.contiguous(),
+                                      beta if rho is None else rho, *out, N, C, HAS_P=bool(P), BN=BN, BC=BC, num_warps=WARPS)
+    return out
+
+def write_backward_triton(P, y, beta, rho, d0, d1):
+    N, C = y.numel() // y.size(-1), y.size(-1)
+    BN, BC = blocks(C)
+    programs = triton.cdiv(N, BN)
+    dtype = triton_dtype([d0])
+    d0, d1, y, beta = d0.to(dtype).contiguous(), d1.to(dtype).contiguous(), y.contiguous(), beta.contiguous()
+    dP, dy = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in P], torch.empty_like(y)
+    dbeta, drho = d0.new_empty((programs, 2, C)), d0.new_empty(programs)
+    # (without partials, the kernel reads and writes none: d0, d1 and beta stand in)
+    _write_bwd[(programs,)](*([p.contiguous() for p in P] or [d0, d1]), y, beta, beta if rho is None else rho, d0, d1,
+                            *(dP or [d0, d1]), dy, dbeta, drho, N, C, HAS_P=bool(P), BN=BN, BC=BC, num_warps=WARPS)
+    return dP, dy, dbeta.sum(0).to(beta.dtype), drho.sum().to(rho.dtype) if P else None
 
 # -----------------------------------------------------------------------------
 # the read, forward and backward: by depth_op.cpp or by torch ops. S streams of R candidates, cand
@@ -527,6 +598,11 @@ def write_args(P, y, beta, rho):
 def write_forward(P, y, beta, rho):
     """[P^0', P^1'] from the partials P ([P^0, P^1], or [] where a block starts), the output y and
     the gates beta (2, C) and rho (a scalar; None with blocks of one)."""
+    if on_triton(write_inputs(P, y, beta, rho)):
+        try:
+            return write_forward_triton(P, y, beta, rho)
+        except Exception as e:
+            triton_failed(e)
     if on_kernel(write_inputs(P, y, beta, rho)):
         P, y, beta = [p.contiguous() for p in P], y.contiguous(), beta.contiguous()
         out = [torch.empty_like(y), torch.empty_like(y)]
@@ -546,6 +622,11 @@ def write_backward(P, y, beta, rho, d):
         dP^0 = rho d0 + (1-rho) d1 ;  dP^1 = (1-rho) d0 + rho d1 ;  dy = beta^0 d0 + beta^1 d1
         dbeta^j = sum over (B, T) of y d_j ;  drho = sum (P^0 - P^1) . (d0 - d1)"""
     d0, d1 = [torch.zeros_like(y) if t is None else t for t in d]
+    if on_triton(write_inputs(P, y, beta, rho) + [d0, d1]):
+        try:
+            return write_backward_triton(P, y, beta, rho, d0, d1)
+        except Exception as e:
+            triton_failed(e)
     if on_kernel(write_inputs(P, y, beta, rho) + [d0, d1]):
         P, y, beta, d0, d1 = [p.contiguous() for p in P], y.contiguous(), beta.contiguous(), d0.contiguous(), d1.contiguous()
         dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)

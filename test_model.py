@@ -485,6 +485,30 @@ def test_triton_read_equals_its_torch_ops(routes, dtype):
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want_grads)):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
+@pytest.mark.parametrize('partial', [False, True])
+@pytest.mark.parametrize('dtypes', [(torch.float64,) * 2, (torch.float32,) * 2, (torch.bfloat16, torch.float32)])
+def test_triton_write_equals_its_definition(dtypes, partial):
+    """DAR's write by its Triton kernels (in Triton's interpreter) against model.dar_write: the
+    partials and the gradients of the partials, y, beta and rho; y in bf16 beside fp32 partials
+    and gates (CUDA under autocast) too."""
+    needs_interpreter()
+    g = torch.Generator().manual_seed(0)
+    leaf = lambda dtype, *shape: torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    y_dtype, dtype = dtypes
+    P = [leaf(dtype, 5, 30, 40), leaf(dtype, 5, 30, 40)] if partial else None
+    y, beta, rho = leaf(y_dtype, 5, 30, 40), leaf(dtype, 2, 40), leaf(dtype, ())
+    d = [torch.randn(5, 30, 40, generator=g, dtype=dtype) for _ in range(2)]
+    inputs = (P or []) + [y, beta] + ([rho] if partial else [])
+    outs = []
+    for write in (depth_op.write, model_module.dar_write):
+        new = write(P, y, beta, rho)
+        outs.append((new, torch.autograd.grad(new, inputs, d)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for got, want in zip(*[torch.utils._pytree.tree_leaves(o) for o in outs]):
+        # y's gradient in bf16: autograd rounds each term to bf16 before the sum, the kernel once
+        rtol, atol = (1.6e-2, 1.6e-2 * want.abs().max().item()) if got.dtype == torch.bfloat16 else (tol, tol)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
 @pytest.mark.slow
 def test_triton_kernels_in_the_interpreter():
     """depth_op's Triton kernels (CUDA's) run on CPU in Triton's interpreter (TRITON_INTERPRET=1,
@@ -492,16 +516,17 @@ def test_triton_kernels_in_the_interpreter():
     pytest.importorskip('triton', reason='pip install triton: its interpreter runs the CUDA kernels on CPU')
     env = dict(os.environ, TRITON_INTERPRET='1')
     p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', os.path.join(ROOT, 'test_model.py'),
-                        '-k', 'triton_read_equals or (readable_reads_in_fp64 and triton and not compiled)'],
+                        '-k', 'triton_read_equals or triton_write_equals or (readable_reads_in_fp64 and triton and not compiled)'],
                        capture_output=True, text=True, env=env, cwd=ROOT)
     summary = p.stdout.strip().splitlines()[-1]
     assert p.returncode == 0 and 'skipped' not in summary and re.search(r'\b(\d+) passed', summary), p.stdout[-3000:]
-    assert int(re.search(r'(\d+) passed', summary)[1]) == 8 + 2 * len(DEPTH), summary
+    assert int(re.search(r'(\d+) passed', summary)[1]) == 8 + 6 + 2 * len(DEPTH), summary
 
 @pytest.mark.slow
 def test_triton_kernels_compile_for_a_gpu_without_one():
     """The Triton kernels compiled as a GPU would (sm_90, an H100: Triton's own compiler and
-    ptxas, no driver needed) to a cubin, both widths' tiles, one target and two, fp32 and fp64."""
+    ptxas, no driver needed) to a cubin: the read's at both widths' tiles, one target and two, fp32
+    and fp64; the write's with and without partials, y in bf16 beside fp32."""
     triton = pytest.importorskip('triton', reason='pip install triton')
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
@@ -517,6 +542,16 @@ def test_triton_kernels_compile_for_a_gpu_without_one():
                 src = ASTSource(fn=kernel, signature=signature, constexprs=dict(TN=TN, BN=BN, BC=BC, DT=DT))
                 compiled = triton.compile(src, target=GPUTarget('cuda', 90, 32), options=dict(num_warps=depth_op.WARPS))
                 assert len(compiled.asm['cubin']) > 0
+    BN, BC = depth_op.blocks(768)
+    for kernel, names in ((depth_op._write_fwd, ['P0', 'P1', 'y', 'beta', 'rho', 'o0', 'o1', 'N', 'C']),
+                          (depth_op._write_bwd, ['P0', 'P1', 'y', 'beta', 'rho', 'd0', 'd1', 'dP0', 'dP1', 'dy', 'dbeta',
+                                                 'drho', 'N', 'C'])):
+        for has_p in (False, True):
+            signature = {n: 'i32' if n in ('N', 'C') else '*bf16' if n in ('y', 'dy') else '*fp32' for n in names}
+            signature |= dict.fromkeys(('HAS_P', 'BN', 'BC'), 'constexpr')
+            src = ASTSource(fn=kernel, signature=signature, constexprs=dict(HAS_P=has_p, BN=BN, BC=BC))
+            compiled = triton.compile(src, target=GPUTarget('cuda', 90, 32), options=dict(num_warps=depth_op.WARPS))
+            assert len(compiled.asm['cubin']) > 0
 
 def test_triton_kernels_that_fail_run_torch_ops_after_one_line(monkeypatch, capsys):
     """Where the Triton kernels cannot run (here: compiled for a GPU, given CPU tensors), one line,
