@@ -108,8 +108,9 @@ def int64s(values):
 # -----------------------------------------------------------------------------
 # on CUDA: Triton kernels, the same passes as depth_op.cpp (on CPU, under TRITON_INTERPRET=1, in
 # Triton's interpreter: how the tests run them). A program takes BN tokens; the candidates reach it
-# as a table of addresses, so nothing is copied or stacked per read, and one compile serves every
-# R. Computed in fp32 (fp64 stays fp64).
+# as a table of addresses, so a read stacks no history (it copies only a bf16 candidate, AttnRes's
+# partial under autocast, into fp32), and one compile serves every R. Computed in fp32 (fp64 stays
+# fp64).
 
 try:
     import triton
@@ -300,43 +301,48 @@ def triton_failed(e):
 def triton_dtype(tensors):
     return torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
 
-def addresses(tensors, device):
-    """The table of the tensors' addresses (0 for None), on device."""
-    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+def tables(device, *parts):
+    """Tables of int64 on device, one per part, each a list of ints or of tensors (their
+    addresses; None: 0): sent in one copy."""
+    values = [[0 if t is None else t if isinstance(t, int) else t.data_ptr() for t in part] for part in parts]
+    sent = torch.tensor(sum(values, []), dtype=torch.int64).to(device)
+    return sent.split([len(v) for v in values])
 
 def triton_inputs(ws, g, cand, R, routes, gates, scale):
-    """The compute dtype, the candidates in it (contiguous), u (T, C), the routes' tables and
-    scale * gate_t (T,), on the candidates' device."""
+    """The compute dtype, the candidates in it (contiguous), u (T, C) and scale * gate_t (T,), on
+    the candidates' device."""
     dtype = triton_dtype(cand)
     cand = [k.to(dtype).contiguous() for k in cand]
     device, Tn = cand[0].device, len(ws)
     u = g.to(dtype) * torch.stack(ws).to(dtype) # u_t = g * w_t
     gt = scale * (torch.stack(gates).to(dtype) if gates else torch.ones(Tn, dtype=dtype, device=device))
-    ks, vs = (torch.tensor(routes[i::2], dtype=torch.int64).to(device) for i in (0, 1))
-    return dtype, cand, u.contiguous(), ks, vs, gt.contiguous()
+    return dtype, cand, u.contiguous(), gt.contiguous()
 
 def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
     S, Tn = len(cand) // R, len(ws)
-    dtype, cand, u, ks, vs, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
+    dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
     N, C = cand[0].numel() // cand[0].size(-1), cand[0].size(-1)
     x = torch.empty(cand[0].shape, dtype=dtype, device=cand[0].device)
     s, rho = x.new_empty((Tn, R, N)), x.new_empty((S, R, N))
-    triton_launch(_read_fwd, N, C, (addresses(cand, x.device), u, ks, vs, gt, x, s, rho, N, C, R, S, eps), Tn, dtype)
+    addrs, ks, vs = tables(x.device, cand, routes[0::2], routes[1::2])
+    triton_launch(_read_fwd, N, C, (addrs, u, ks, vs, gt, x, s, rho, N, C, R, S, eps), Tn, dtype)
     shape = (R, *cand[0].shape[:-1])
     return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rho.view(S, *shape)
 
 def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale):
     """dw (T, C), dg and dgate (T,); the candidates' gradients written to gout (in place: gin)."""
     S, Tn = len(cand) // R, len(ws)
-    dtype, cand, u, ks, vs, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
+    dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
     N, C, device = cand[0].numel() // cand[0].size(-1), cand[0].size(-1), cand[0].device
     # a handle's gradient that holds no data (an expanded zero) adds nothing: no address
     gin = [None if t is None or max(t.stride()) == 0 else t.contiguous() for t in gin]
     q, sa = a.new_empty((Tn, R, N), dtype=dtype), a.new_empty((Tn, N), dtype=dtype)
     du = a.new_empty((triton.cdiv(N, blocks(C)[0]), Tn, C), dtype=dtype)
     dgate = a.new_empty((du.size(0), Tn), dtype=dtype)
-    args = (dx.contiguous(), addresses(cand, device), u, ks, vs, gt, a.contiguous(), s.contiguous(), rho.contiguous(),
-            addresses(gin, device), addresses(gout, device), q, sa, du, dgate, N, C, R, S)
+    # (the tensors behind the addresses held by their names here until the kernel is queued)
+    addrs, ks, vs, gin_addrs, gout_addrs = tables(device, cand, routes[0::2], routes[1::2], gin, gout)
+    args = (dx.contiguous(), addrs, u, ks, vs, gt, a.contiguous(), s.contiguous(), rho.contiguous(), gin_addrs, gout_addrs,
+            q, sa, du, dgate, N, C, R, S)
     triton_launch(_read_bwd, N, C, args, Tn, dtype)
     # dw_t = du_t * g ; dg = sum_t du_t * w_t ; dgate_t = scale sum_r a_r q_r
     du, dgate = du.sum(0), scale * dgate.sum(0)
