@@ -37,6 +37,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+import depth_op
 from model import GPT, GPTConfig, KVCache
 from sample import compile_for_generation
 from configurator import autocast, check, configure, count, keep_freed_memory, resolve_device
@@ -366,8 +367,9 @@ def loop_ratio(cfg, device, ctx):
 def gpu_check(cfg, device, ctx):
     """The GPU check (docs/gpu.md), in the order of what matters most, each result printed as it
     comes: every path's first compiled training step (which compiles it) and its later steps,
-    interleaved, against standard's; peak memory; a torch.profiler summary of a standard and a
-    Block DAR step; Block DAR + MoE compiled, moe_steps training steps."""
+    interleaved, against standard's; peak memory; Block DAR's step with the depth ops' kernels
+    against their torch ops; a torch.profiler summary of a standard and a Block DAR step; Block
+    DAR + MoE compiled, moe_steps training steps."""
     names = ['standard', 'dar-block', 'attnres-block', 'dar-full']
     res = dict(first_s={}, train_s={}, ratio={}, peak_mb={})
     with contextlib.redirect_stdout(io.StringIO()): # configure_optimizers prints
@@ -389,6 +391,21 @@ def gpu_check(cfg, device, ctx):
         peak = res['peak_mb'].get(n)
         print(f"| {n} | {1e3 * res['train_s'][n]['median']:.1f} ms | x std {res['ratio'][n]['median']:.3f} "
               f"({res['ratio'][n]['min']:.3f}-{res['ratio'][n]['max']:.3f}) | peak {'-' if peak is None else f'{peak:.0f} MB'} |", flush=True)
+    # the depth ops' bodies as dispatched (CUDA: Triton kernels; CPU: depth_op.cpp) against torch
+    # ops, in the same compiled Block DAR step (the operations are opaque: no recompile)
+    kernels, torch_ops = [], []
+    dispatch = depth_op.on_triton, depth_op.on_kernel
+    try:
+        for _ in range(cfg['rounds']):
+            depth_op.on_triton, depth_op.on_kernel = dispatch
+            kernels.append(timed(runners['dar-block'].train_step, device))
+            depth_op.on_triton = depth_op.on_kernel = lambda tensors: False
+            torch_ops.append(timed(runners['dar-block'].train_step, device))
+    finally:
+        depth_op.on_triton, depth_op.on_kernel = dispatch
+    res['kernels_vs_torch_ops'] = summary([a / b for a, b in zip(kernels, torch_ops)])
+    r = res['kernels_vs_torch_ops']
+    print(f"Block DAR step, the depth ops' kernels x their torch ops: {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})", flush=True)
     res['profile'] = {}
     for n in ('standard', 'dar-block'):
         with torch.profiler.profile() as prof:

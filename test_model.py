@@ -1902,6 +1902,7 @@ def test_bench_gpu_check_runs_at_a_tiny_size_on_cpu(tmp_path):
     assert list(res['first_s']) == list(res['ratio']) == names
     assert res['ratio']['standard']['median'] == 1 and all(res['first_s'][n] > 0 for n in names)
     assert set(res['profile']) == {'standard', 'dar-block'} and 'Self CPU' in res['profile']['dar-block']
+    assert res['kernels_vs_torch_ops']['median'] > 0 and "the depth ops' kernels x their torch ops" in p.stdout
     assert res['moe']['steps'] == 2 and all(math.isfinite(l) for l in res['moe']['losses'])
     assert 'Block DAR + MoE, compiled: 2 steps' in p.stdout
 
