@@ -512,15 +512,17 @@ def test_triton_write_equals_its_definition(dtypes, partial):
 @pytest.mark.slow
 def test_triton_kernels_in_the_interpreter():
     """depth_op's Triton kernels (CUDA's) run on CPU in Triton's interpreter (TRITON_INTERPRET=1,
-    set before Triton loads: a process of its own): the tests marked for it, none skipped."""
+    set before Triton loads: a process of its own): the tests marked for it, and the compiled model
+    against the readable reads (the custom operations' bodies then run the kernels); none skipped."""
     pytest.importorskip('triton', reason='pip install triton: its interpreter runs the CUDA kernels on CPU')
     env = dict(os.environ, TRITON_INTERPRET='1')
     p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', os.path.join(ROOT, 'test_model.py'),
-                        '-k', 'triton_read_equals or triton_write_equals or (readable_reads_in_fp64 and triton and not compiled)'],
+                        '-k', 'triton_read_equals or triton_write_equals or (readable_reads_in_fp64 and triton and not compiled) '
+                        'or test_compiled_depth_op_equals'],
                        capture_output=True, text=True, env=env, cwd=ROOT)
     summary = p.stdout.strip().splitlines()[-1]
     assert p.returncode == 0 and 'skipped' not in summary and re.search(r'\b(\d+) passed', summary), p.stdout[-3000:]
-    assert int(re.search(r'(\d+) passed', summary)[1]) == 8 + 6 + 2 * len(DEPTH), summary
+    assert int(re.search(r'(\d+) passed', summary)[1]) == 8 + 6 + 4 * len(DEPTH), summary
 
 @pytest.mark.slow
 def test_triton_kernels_compile_for_a_gpu_without_one():
