@@ -137,7 +137,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=['R']) # one compile for every history length
     def _read_fwd(cand, u, ks, vs, gt, x, sc, rho, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
                   BC: tl.constexpr, DT: tl.constexpr):
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64) # (offsets past 2**31 at scale)
         c = tl.arange(0, BC)
         rows = n < N
         mask = rows[:, None] & (c < C)[None, :]
@@ -181,7 +181,7 @@ if triton is not None:
     def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rho, gin, gout, q, sa, du, dgate, N, C, R, S,
                   TN: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
         pid = tl.program_id(0)
-        n = pid * BN + tl.arange(0, BN)
+        n = (pid * BN + tl.arange(0, BN)).to(tl.int64)
         c = tl.arange(0, BC)
         rows = n < N
         mask = rows[:, None] & (c < C)[None, :]
@@ -230,7 +230,7 @@ if triton is not None:
 
     @triton.jit
     def _write_fwd(P0, P1, y, beta, rho, o0, o1, N, C, HAS_P: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64) # (offsets past 2**31 at scale)
         c = tl.arange(0, BC)
         mask = (n < N)[:, None] & (c < C)[None, :]
         offs = n[:, None] * C + c[None, :]
@@ -253,7 +253,7 @@ if triton is not None:
     def _write_bwd(P0, P1, y, beta, rho, d0, d1, dP0, dP1, dy, dbeta, drho, N, C, HAS_P: tl.constexpr,
                    BN: tl.constexpr, BC: tl.constexpr):
         pid = tl.program_id(0)
-        n = pid * BN + tl.arange(0, BN)
+        n = (pid * BN + tl.arange(0, BN)).to(tl.int64)
         c = tl.arange(0, BC)
         mask = (n < N)[:, None] & (c < C)[None, :]
         offs = n[:, None] * C + c[None, :]
