@@ -32,6 +32,7 @@ read by at most a block's sublayers, takes its gradient as a tensor of its own.
 """
 import os
 import ctypes
+import contextlib
 import functools
 import hashlib
 import threading
@@ -137,15 +138,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=['R']) # one compile for every history length
     def _read_fwd(cand, u, ks, vs, gt, x, sc, rho, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
                   BC: tl.constexpr, DT: tl.constexpr):
-        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64) # (offsets past 2**31 at scale)
+        N = N.to(tl.int64) # (offsets past 2**31 at scale)
+        n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
         c = tl.arange(0, BC)
         rows = n < N
         mask = rows[:, None] & (c < C)[None, :]
         offs = n[:, None] * C + c[None, :]
-        # rho_r = sqrt(mean(k_r^2) + eps), of every candidate (backward's)
-        for i in range(S * R):
-            k = _tile(cand, i, offs, mask, DT)
-            tl.store(rho + i * N + n, tl.sqrt(tl.sum(k * k, 1) / C + eps), mask=rows)
         xn = tl.zeros([BN, BC], dtype=DT)
         for t in tl.static_range(TN):
             kt, vt = tl.load(ks + t), tl.load(vs + t)
@@ -156,8 +154,11 @@ if triton is not None:
             h = tl.zeros([BN, BC], dtype=DT)
             for r in range(R):
                 k = _tile(cand, kt * R + r, offs, mask, DT)
-                # s_r = (k_r . u) / rho_r (rho again: the stores above are another thread's)
-                s = tl.sum(k * ut[None, :], 1) / tl.sqrt(tl.sum(k * k, 1) / C + eps)
+                # rho_r = sqrt(mean(k_r^2) + eps) (kept for backward: the key streams' only) ;
+                # s_r = (k_r . u) / rho_r
+                rho_r = tl.sqrt(tl.sum(k * k, 1) / C + eps)
+                tl.store(rho + (kt * R + r) * N + n, rho_r, mask=rows)
+                s = tl.sum(k * ut[None, :], 1) / rho_r
                 tl.store(sc + (t * R + r) * N + n, s, mask=rows)
                 m_new = tl.maximum(m, s)
                 z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
@@ -180,57 +181,67 @@ if triton is not None:
     @triton.jit(do_not_specialize=['R'])
     def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rho, gin, gout, q, sa, du, dgate, N, C, R, S,
                   TN: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+        # a fixed number of programs, each over every num_programs-th block of BN tokens: du and
+        # dgate summed in registers, one partial per program
+        N = N.to(tl.int64)
         pid = tl.program_id(0)
-        n = (pid * BN + tl.arange(0, BN)).to(tl.int64)
         c = tl.arange(0, BC)
-        rows = n < N
-        mask = rows[:, None] & (c < C)[None, :]
-        offs = n[:, None] * C + c[None, :]
-        d = tl.load(dx + offs, mask=mask, other=0.0).to(DT)
-        # q_r = dx . v_r ; sum_r a_r q_r per token (sa) and over the program's tokens (dgate / scale)
-        for t in tl.static_range(TN):
-            vt = tl.load(vs + t)
-            aq = tl.zeros([BN], dtype=DT)
-            for r in range(R):
-                qr = tl.sum(d * _tile(cand, vt * R + r, offs, mask, DT), 1)
-                tl.store(q + (t * R + r) * N + n, qr, mask=rows)
-                aq += tl.load(a + (t * R + r) * N + n, mask=rows, other=0.0) * qr
-            tl.store(sa + t * N + n, aq, mask=rows)
-            tl.store(dgate + pid * TN + t, tl.sum(aq, 0))
-        tl.debug_barrier() # q and sa, stored above by other threads of the program, read below
         k0, v0, g0 = tl.load(ks), tl.load(vs), tl.load(gt)
         u0 = tl.load(u + c, mask=c < C, other=0.0)
-        sa0 = tl.load(sa + n, mask=rows, other=0.0)
-        du0 = tl.zeros([BC], dtype=DT)
+        du0, aq0 = tl.zeros([BC], dtype=DT), tl.zeros([BN], dtype=DT)
         if TN == 2:
             k1, v1, g1 = tl.load(ks + 1), tl.load(vs + 1), tl.load(gt + 1)
             u1 = tl.load(u + C + c, mask=c < C, other=0.0)
-            sa1 = tl.load(sa + N + n, mask=rows, other=0.0)
-        du1 = tl.zeros([BC], dtype=DT)
-        # per candidate: out = in + dk_r + dv_r of every target keyed or valued there, and du_t
-        for i in range(S * R):
-            s, r = i // R, i % R
-            k = _tile(cand, i, offs, mask, DT)
-            out = _tile(gin, i, offs, mask, DT)
-            cr, kk, w = _coefficients(0, r, k0, g0, sa0, a, q, sc, rho, n, rows, N, C, R)
-            key, value = (k0 == s).to(DT), (v0 == s).to(DT)
-            # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate a_r dx ; du_t += c_r k_r
-            out += key * (kk[:, None] * k + cr[:, None] * u0[None, :]) + value * w[:, None] * d
-            du0 += key * tl.sum(cr[:, None] * k, 0)
+        du1, aq1 = tl.zeros([BC], dtype=DT), tl.zeros([BN], dtype=DT)
+        for block in range(pid, tl.cdiv(N, BN), tl.num_programs(0)):
+            n = (block * BN + tl.arange(0, BN)).to(tl.int64)
+            rows = n < N
+            mask = rows[:, None] & (c < C)[None, :]
+            offs = n[:, None] * C + c[None, :]
+            d = tl.load(dx + offs, mask=mask, other=0.0).to(DT)
+            # q_r = dx . v_r ; sum_r a_r q_r per token (sa), and over the tokens (dgate / scale)
+            for t in tl.static_range(TN):
+                vt = tl.load(vs + t)
+                aq = tl.zeros([BN], dtype=DT)
+                for r in range(R):
+                    qr = tl.sum(d * _tile(cand, vt * R + r, offs, mask, DT), 1)
+                    tl.store(q + (t * R + r) * N + n, qr, mask=rows)
+                    aq += tl.load(a + (t * R + r) * N + n, mask=rows, other=0.0) * qr
+                tl.store(sa + t * N + n, aq, mask=rows)
+                if t == 0:
+                    aq0 += aq
+                else:
+                    aq1 += aq
+            tl.debug_barrier() # q and sa, stored above by other threads of the program, read below
+            sa0 = tl.load(sa + n, mask=rows, other=0.0)
             if TN == 2:
-                cr, kk, w = _coefficients(1, r, k1, g1, sa1, a, q, sc, rho, n, rows, N, C, R)
-                key, value = (k1 == s).to(DT), (v1 == s).to(DT)
-                out += key * (kk[:, None] * k + cr[:, None] * u1[None, :]) + value * w[:, None] * d
-                du1 += key * tl.sum(cr[:, None] * k, 0)
-            addr = tl.load(gout + i)
-            tl.store(addr.to(tl.pointer_type(DT)) + offs, out, mask=mask)
+                sa1 = tl.load(sa + N + n, mask=rows, other=0.0)
+            # per candidate: out = in + dk_r + dv_r of every target keyed or valued there, and du_t
+            for i in range(S * R):
+                s, r = i // R, i % R
+                k = _tile(cand, i, offs, mask, DT)
+                out = _tile(gin, i, offs, mask, DT)
+                cr, kk, w = _coefficients(0, r, k0, g0, sa0, a, q, sc, rho, n, rows, N, C, R)
+                key, value = (k0 == s).to(DT), (v0 == s).to(DT)
+                # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate a_r dx ; du_t += c_r k_r
+                out += key * (kk[:, None] * k + cr[:, None] * u0[None, :]) + value * w[:, None] * d
+                du0 += key * tl.sum(cr[:, None] * k, 0)
+                if TN == 2:
+                    cr, kk, w = _coefficients(1, r, k1, g1, sa1, a, q, sc, rho, n, rows, N, C, R)
+                    key, value = (k1 == s).to(DT), (v1 == s).to(DT)
+                    out += key * (kk[:, None] * k + cr[:, None] * u1[None, :]) + value * w[:, None] * d
+                    du1 += key * tl.sum(cr[:, None] * k, 0)
+                addr = tl.load(gout + i)
+                tl.store(addr.to(tl.pointer_type(DT)) + offs, out, mask=mask)
         tl.store(du + pid * TN * C + c, du0, mask=c < C)
+        tl.store(dgate + pid * TN, tl.sum(aq0, 0))
         if TN == 2:
             tl.store(du + (pid * TN + 1) * C + c, du1, mask=c < C)
+            tl.store(dgate + pid * TN + 1, tl.sum(aq1, 0))
 
     @triton.jit
     def _write_fwd(P0, P1, y, beta, rho, o0, o1, N, C, HAS_P: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
-        n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64) # (offsets past 2**31 at scale)
+        n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN) # (offsets past 2**31 at scale)
         c = tl.arange(0, BC)
         mask = (n < N)[:, None] & (c < C)[None, :]
         offs = n[:, None] * C + c[None, :]
@@ -252,8 +263,8 @@ if triton is not None:
     @triton.jit
     def _write_bwd(P0, P1, y, beta, rho, d0, d1, dP0, dP1, dy, dbeta, drho, N, C, HAS_P: tl.constexpr,
                    BN: tl.constexpr, BC: tl.constexpr):
-        pid = tl.program_id(0)
-        n = (pid * BN + tl.arange(0, BN)).to(tl.int64)
+        pid = tl.program_id(0).to(tl.int64)
+        n = pid * BN + tl.arange(0, BN)
         c = tl.arange(0, BC)
         mask = (n < N)[:, None] & (c < C)[None, :]
         offs = n[:, None] * C + c[None, :]
@@ -276,18 +287,30 @@ if triton is not None:
             p1 = tl.load(P1 + offs, mask=mask, other=0.0).to(DT)
             tl.store(drho + pid, tl.sum(tl.sum((p0 - p1) * (g0 - g1), 1), 0))
 
-WARPS = 8 # with tiles of 2048 values, no register spills on sm_90 (docs/gpu.md)
+# 8 warps, and tiles of these many values: no register spills on sm_90 (docs/gpu.md)
+WARPS, READ_FWD_TILE, READ_BWD_TILE, WRITE_TILE = 8, 2048, 1024, 4096
 
-def blocks(C):
+def blocks(C, tile):
     """Tokens a program (BN) and the row width padded to a power of two (BC), for width C."""
     BC = triton.next_power_of_2(C)
-    return max(1, min(64, 2048 // BC)), BC
+    return max(1, tile // BC), BC
 
-def triton_launch(kernel, N, C, args, TN, dtype):
-    """kernel over N tokens of width C, BN tokens a program."""
-    BN, BC = blocks(C)
+def programs(device, N, BN):
+    """A fixed grid for the kernels that sum over the tokens: four programs per multiprocessor (the
+    interpreter: three, so that each takes several blocks)."""
+    most = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 3
+    return min(triton.cdiv(N, BN), most)
+
+def on_device(device):
+    """The kernels launch on torch's current CUDA device: make it the tensors'."""
+    return torch.cuda.device(device) if device.type == 'cuda' else contextlib.nullcontext()
+
+def triton_launch(kernel, grid, C, tile, args, TN, dtype, device):
+    """kernel over grid programs of BN tokens, rows of width C."""
+    BN, BC = blocks(C, tile)
     DT = tl.float64 if dtype == torch.float64 else tl.float32
-    kernel[(triton.cdiv(N, BN),)](*args, TN=TN, BN=BN, BC=BC, DT=DT, num_warps=WARPS)
+    with on_device(device):
+        kernel[(grid,)](*args, TN=TN, BN=BN, BC=BC, DT=DT, num_warps=WARPS)
 
 def triton_failed(e):
     """A kernel that did not compile or launch (a Triton or driver this code has not met): one line,
@@ -305,7 +328,8 @@ def tables(device, *parts):
     """Tables of int64 on device, one per part, each a list of ints or of tensors (their
     addresses; None: 0): sent in one copy."""
     values = [[0 if t is None else t if isinstance(t, int) else t.data_ptr() for t in part] for part in parts]
-    sent = torch.tensor(sum(values, []), dtype=torch.int64).to(device)
+    # pinned, so the copy does not wait for the GPU (from pageable memory it would, each call)
+    sent = torch.tensor(sum(values, []), dtype=torch.int64, pin_memory=device.type == 'cuda').to(device, non_blocking=True)
     return sent.split([len(v) for v in values])
 
 def triton_inputs(ws, g, cand, R, routes, gates, scale):
@@ -323,9 +347,11 @@ def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
     dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
     N, C = cand[0].numel() // cand[0].size(-1), cand[0].size(-1)
     x = torch.empty(cand[0].shape, dtype=dtype, device=cand[0].device)
-    s, rho = x.new_empty((Tn, R, N)), x.new_empty((S, R, N))
+    # the kernel takes the rms of the streams read as keys (backward's): the others' stay 0
+    s, rho = x.new_empty((Tn, R, N)), x.new_empty((S, R, N)) if set(routes[0::2]) == set(range(S)) else x.new_zeros((S, R, N))
     addrs, ks, vs = tables(x.device, cand, routes[0::2], routes[1::2])
-    triton_launch(_read_fwd, N, C, (addrs, u, ks, vs, gt, x, s, rho, N, C, R, S, eps), Tn, dtype)
+    grid = triton.cdiv(N, blocks(C, READ_FWD_TILE)[0])
+    triton_launch(_read_fwd, grid, C, READ_FWD_TILE, (addrs, u, ks, vs, gt, x, s, rho, N, C, R, S, eps), Tn, dtype, x.device)
     shape = (R, *cand[0].shape[:-1])
     return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rho.view(S, *shape)
 
@@ -337,13 +363,13 @@ def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout
     # a handle's gradient that holds no data (an expanded zero) adds nothing: no address
     gin = [None if t is None or max(t.stride()) == 0 else t.contiguous() for t in gin]
     q, sa = a.new_empty((Tn, R, N), dtype=dtype), a.new_empty((Tn, N), dtype=dtype)
-    du = a.new_empty((triton.cdiv(N, blocks(C)[0]), Tn, C), dtype=dtype)
-    dgate = a.new_empty((du.size(0), Tn), dtype=dtype)
+    grid = programs(device, N, blocks(C, READ_BWD_TILE)[0])
+    du, dgate = a.new_empty((grid, Tn, C), dtype=dtype), a.new_empty((grid, Tn), dtype=dtype)
     # (the tensors behind the addresses held by their names here until the kernel is queued)
     addrs, ks, vs, gin_addrs, gout_addrs = tables(device, cand, routes[0::2], routes[1::2], gin, gout)
     args = (dx.contiguous(), addrs, u, ks, vs, gt, a.contiguous(), s.contiguous(), rho.contiguous(), gin_addrs, gout_addrs,
             q, sa, du, dgate, N, C, R, S)
-    triton_launch(_read_bwd, N, C, args, Tn, dtype)
+    triton_launch(_read_bwd, grid, C, READ_BWD_TILE, args, Tn, dtype, device)
     # dw_t = du_t * g ; dg = sum_t du_t * w_t ; dgate_t = scale sum_r a_r q_r
     du, dgate = du.sum(0), scale * dgate.sum(0)
     dws = [(du[t] * g.to(dtype)).to(w.dtype) for t, w in enumerate(ws)]
@@ -354,22 +380,25 @@ def write_forward_triton(P, y, beta, rho):
     N, C = y.numel() // y.size(-1), y.size(-1)
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in write_inputs(P, y, beta, rho)])
     out = [torch.empty(y.shape, dtype=dtype, device=y.device) for _ in range(2)]
-    BN, BC = blocks(C)
+    BN, BC = blocks(C, WRITE_TILE)
     # (without partials, the kernel reads none: out and beta stand in for P and rho)
-    _write_fwd[(triton.cdiv(N, BN),)](*([p.contiguous() for p in P] or out), y.contiguous(), beta.contiguous(),
-                                      beta if rho is None else rho, *out, N, C, HAS_P=bool(P), BN=BN, BC=BC, num_warps=WARPS)
+    with on_device(y.device):
+        _write_fwd[(triton.cdiv(N, BN),)](*([p.contiguous() for p in P] or out), y.contiguous(), beta.contiguous(),
+                                          beta if rho is None else rho, *out, N, C, HAS_P=bool(P), BN=BN, BC=BC,
+                                          num_warps=WARPS)
     return out
 
 def write_backward_triton(P, y, beta, rho, d0, d1):
     N, C = y.numel() // y.size(-1), y.size(-1)
-    BN, BC = blocks(C)
-    programs = triton.cdiv(N, BN)
+    BN, BC = blocks(C, WRITE_TILE)
+    grid = triton.cdiv(N, BN)
     dtype = triton_dtype([d0])
     d0, d1, y, beta = d0.to(dtype).contiguous(), d1.to(dtype).contiguous(), y.contiguous(), beta.contiguous()
     dP, dy = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in P], torch.empty_like(y)
-    dbeta, drho = d0.new_empty((programs, 2, C)), d0.new_empty(programs)
+    dbeta, drho = d0.new_empty((grid, 2, C)), d0.new_empty(grid)
     # (without partials, the kernel reads and writes none: d0, d1 and beta stand in)
-    _write_bwd[(programs,)](*([p.contiguous() for p in P] or [d0, d1]), y, beta, beta if rho is None else rho, d0, d1,
+    with on_device(y.device):
+        _write_bwd[(grid,)](*([p.contiguous() for p in P] or [d0, d1]), y, beta, beta if rho is None else rho, d0, d1,
                             *(dP or [d0, d1]), dy, dbeta, drho, N, C, HAS_P=bool(P), BN=BN, BC=BC, num_warps=WARPS)
     return dP, dy, dbeta.sum(0).to(beta.dtype), drho.sum().to(rho.dtype) if P else None
 
