@@ -135,7 +135,11 @@ if triton is not None:
         given = offs * 0 + addr != 0 # (as a block: the interpreter takes no scalar in a mask)
         return tl.load(addr.to(tl.pointer_type(DT)) + offs, mask=mask & given, other=0.0)
 
-    @triton.jit(do_not_specialize=['R']) # one compile for every history length
+    # one compile for every history length: Triton would specialize R (and N) at 1 and the tables'
+    # addresses (views of one copy) on their alignment
+    TABLES = ['cand', 'ks', 'vs', 'gin', 'gout']
+
+    @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=TABLES[:3])
     def _read_fwd(cand, u, ks, vs, gt, x, sc, rho, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
                   BC: tl.constexpr, DT: tl.constexpr):
         N = N.to(tl.int64) # (offsets past 2**31 at scale)
@@ -178,7 +182,7 @@ if triton is not None:
         cr = ar * gt_t * (tl.load(q + i, mask=rows, other=0.0) - sa_t) / rh
         return cr, -cr * tl.load(sc + i, mask=rows, other=0.0) / (C * rh), gt_t * ar
 
-    @triton.jit(do_not_specialize=['R'])
+    @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=TABLES)
     def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rho, gin, gout, q, sa, du, dgate, N, C, R, S,
                   TN: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
         # a fixed number of programs, each over every num_programs-th block of BN tokens: du and
@@ -296,9 +300,10 @@ def blocks(C, tile):
     return max(1, tile // BC), BC
 
 def programs(device, N, BN):
-    """A fixed grid for the kernels that sum over the tokens: four programs per multiprocessor (the
-    interpreter: three, so that each takes several blocks)."""
-    most = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 3
+    """A fixed grid for the kernels that sum over the tokens: two programs per multiprocessor, as
+    many as fit at once (sm_90: 128 registers a thread, 8 warps); the interpreter: three, so that
+    each takes several blocks."""
+    most = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 3
     return min(triton.cdiv(N, BN), most)
 
 def on_device(device):
