@@ -310,12 +310,13 @@ def on_device(device):
     """The kernels launch on torch's current CUDA device: make it the tensors'."""
     return torch.cuda.device(device) if device.type == 'cuda' else contextlib.nullcontext()
 
-def triton_launch(kernel, grid, C, tile, args, TN, dtype, device):
-    """kernel over grid programs of BN tokens, rows of width C."""
-    BN, BC = blocks(C, tile)
-    DT = tl.float64 if dtype == torch.float64 else tl.float32
+def launch(kernel, grid, args, device, **constants):
+    """kernel over grid programs, on the tensors' device."""
     with on_device(device):
-        kernel[(grid,)](*args, TN=TN, BN=BN, BC=BC, DT=DT, num_warps=WARPS)
+        kernel[(grid,)](*args, **constants, num_warps=WARPS)
+
+def compute_type(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
 
 def triton_failed(e):
     """A kernel that did not compile or launch (a Triton or driver this code has not met): one line,
@@ -355,8 +356,9 @@ def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
     # the kernel takes the rms of the streams read as keys (backward's): the others' stay 0
     s, rho = x.new_empty((Tn, R, N)), x.new_empty((S, R, N)) if set(routes[0::2]) == set(range(S)) else x.new_zeros((S, R, N))
     addrs, ks, vs = tables(x.device, cand, routes[0::2], routes[1::2])
-    grid = triton.cdiv(N, blocks(C, READ_FWD_TILE)[0])
-    triton_launch(_read_fwd, grid, C, READ_FWD_TILE, (addrs, u, ks, vs, gt, x, s, rho, N, C, R, S, eps), Tn, dtype, x.device)
+    BN, BC = blocks(C, READ_FWD_TILE)
+    launch(_read_fwd, triton.cdiv(N, BN), (addrs, u, ks, vs, gt, x, s, rho, N, C, R, S, eps), x.device,
+           TN=Tn, BN=BN, BC=BC, DT=compute_type(dtype))
     shape = (R, *cand[0].shape[:-1])
     return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rho.view(S, *shape)
 
@@ -368,13 +370,14 @@ def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout
     # a handle's gradient that holds no data (an expanded zero) adds nothing: no address
     gin = [None if t is None or max(t.stride()) == 0 else t.contiguous() for t in gin]
     q, sa = a.new_empty((Tn, R, N), dtype=dtype), a.new_empty((Tn, N), dtype=dtype)
-    grid = programs(device, N, blocks(C, READ_BWD_TILE)[0])
+    BN, BC = blocks(C, READ_BWD_TILE)
+    grid = programs(device, N, BN)
     du, dgate = a.new_empty((grid, Tn, C), dtype=dtype), a.new_empty((grid, Tn), dtype=dtype)
     # (the tensors behind the addresses held by their names here until the kernel is queued)
     addrs, ks, vs, gin_addrs, gout_addrs = tables(device, cand, routes[0::2], routes[1::2], gin, gout)
     args = (dx.contiguous(), addrs, u, ks, vs, gt, a.contiguous(), s.contiguous(), rho.contiguous(), gin_addrs, gout_addrs,
             q, sa, du, dgate, N, C, R, S)
-    triton_launch(_read_bwd, grid, C, READ_BWD_TILE, args, Tn, dtype, device)
+    launch(_read_bwd, grid, args, device, TN=Tn, BN=BN, BC=BC, DT=compute_type(dtype))
     # dw_t = du_t * g ; dg = sum_t du_t * w_t ; dgate_t = scale sum_r a_r q_r
     du, dgate = du.sum(0), scale * dgate.sum(0)
     dws = [(du[t] * g.to(dtype)).to(w.dtype) for t, w in enumerate(ws)]
@@ -387,10 +390,8 @@ def write_forward_triton(P, y, beta, rho):
     out = [torch.empty(y.shape, dtype=dtype, device=y.device) for _ in range(2)]
     BN, BC = blocks(C, WRITE_TILE)
     # (without partials, the kernel reads none: out and beta stand in for P and rho)
-    with on_device(y.device):
-        _write_fwd[(triton.cdiv(N, BN),)](*([p.contiguous() for p in P] or out), y.contiguous(), beta.contiguous(),
-                                          beta if rho is None else rho, *out, N, C, HAS_P=bool(P), BN=BN, BC=BC,
-                                          num_warps=WARPS)
+    args = (*([p.contiguous() for p in P] or out), y.contiguous(), beta.contiguous(), beta if rho is None else rho, *out, N, C)
+    launch(_write_fwd, triton.cdiv(N, BN), args, y.device, HAS_P=bool(P), BN=BN, BC=BC)
     return out
 
 def write_backward_triton(P, y, beta, rho, d0, d1):
@@ -402,9 +403,9 @@ def write_backward_triton(P, y, beta, rho, d0, d1):
     dP, dy = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in P], torch.empty_like(y)
     dbeta, drho = d0.new_empty((grid, 2, C)), d0.new_empty(grid)
     # (without partials, the kernel reads and writes none: d0, d1 and beta stand in)
-    with on_device(y.device):
-        _write_bwd[(grid,)](*([p.contiguous() for p in P] or [d0, d1]), y, beta, beta if rho is None else rho, d0, d1,
-                            *(dP or [d0, d1]), dy, dbeta, drho, N, C, HAS_P=bool(P), BN=BN, BC=BC, num_warps=WARPS)
+    args = (*([p.contiguous() for p in P] or [d0, d1]), y, beta, beta if rho is None else rho, d0, d1, *(dP or [d0, d1]),
+            dy, dbeta, drho, N, C)
+    launch(_write_bwd, grid, args, y.device, HAS_P=bool(P), BN=BN, BC=BC)
     return dP, dy, dbeta.sum(0).to(beta.dtype), drho.sum().to(rho.dtype) if P else None
 
 # -----------------------------------------------------------------------------

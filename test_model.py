@@ -500,13 +500,8 @@ def test_triton_write_equals_its_definition(dtypes, partial):
     P = [leaf(dtype, 5, 30, 40), leaf(dtype, 5, 30, 40)] if partial else None
     y, beta, rho = leaf(y_dtype, 5, 30, 40), leaf(dtype, 2, 40), leaf(dtype, ())
     d = [torch.randn(5, 30, 40, generator=g, dtype=dtype) for _ in range(2)]
-    inputs = (P or []) + [y, beta] + ([rho] if partial else [])
-    outs = []
-    for write in (depth_op.write, model_module.dar_write):
-        new = write(P, y, beta, rho)
-        outs.append((new, torch.autograd.grad(new, inputs, d)))
     tol = 1e-5 if dtype == torch.float32 else 1e-12
-    for got, want in zip(*[torch.utils._pytree.tree_leaves(o) for o in outs]):
+    for got, want in write_and_definition(P, y, beta, rho, d):
         # y's gradient in bf16: autograd rounds each term to bf16 before the sum, the kernel once
         rtol, atol = (1.6e-2, 1.6e-2 * want.abs().max().item()) if got.dtype == torch.bfloat16 else (tol, tol)
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
@@ -575,6 +570,16 @@ def test_triton_kernels_that_fail_run_torch_ops_after_one_line(monkeypatch, caps
     use_readable(monkeypatch)
     assert_same(got, loss_and_grads('dar-cross-block', True))
 
+def write_and_definition(P, y, beta, rho, d):
+    """depth_op.write's partials and gradients (of P, y, beta and rho, from d) beside
+    model.dar_write's, as pairs."""
+    inputs = (P or []) + [y, beta] + ([rho] if P else [])
+    outs = []
+    for write in (depth_op.write, model_module.dar_write):
+        new = write(P, y, beta, rho)
+        outs.append(torch.utils._pytree.tree_leaves((new, torch.autograd.grad(new, inputs, d))))
+    return zip(*outs)
+
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('partial', [False, True])
 def test_dar_write_operation_equals_its_definition(dtype, partial):
@@ -585,13 +590,8 @@ def test_dar_write_operation_equals_its_definition(dtype, partial):
     leaf = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
     P, y, beta, rho = [leaf(2, 5, 8), leaf(2, 5, 8)] if partial else None, leaf(2, 5, 8), leaf(2, 8), leaf(())
     d = [torch.randn(2, 5, 8, generator=g, dtype=dtype) for _ in range(2)]
-    inputs = (P or []) + [y, beta] + ([rho] if partial else [])
-    outs = []
-    for write in (depth_op.write, model_module.dar_write):
-        new = write(P, y, beta, rho)
-        outs.append((new, torch.autograd.grad(new, inputs, d)))
     tol = 1e-6 if dtype == torch.float32 else 1e-12
-    for got, want in zip(*[torch.utils._pytree.tree_leaves(o) for o in outs]):
+    for got, want in write_and_definition(P, y, beta, rho, d):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 def test_depth_op_keeps_only_weights_scores_and_rms_for_backward():
