@@ -21,6 +21,7 @@ import glob
 import queue
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -1073,6 +1074,26 @@ def test_resume_with_another_path_fails_clearly(workdir):
     assert p.returncode != 0
     assert p.stderr.strip() == f"error: {os.path.join('path', 'ckpt.pt')} was trained with residual='dar'; it cannot resume as residual='attnres'"
 
+def torchrun(args, workdir, env, hang_s=180):
+    """train.py under torchrun, 2 processes. A hang (the runs take seconds) is reported with every
+    process's Python stacks (faulthandler, on SIGABRT) and run once more: a second hang fails."""
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+           os.path.join(ROOT, 'train.py')] + args
+    env = dict(env, PYTHONFAULTHANDLER='1')
+    for attempt in range(2):
+        p = subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=hang_s)
+            return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, subprocess.signal.SIGABRT) # each Python process prints its stacks
+            out, err = p.communicate()
+            report = f"torchrun hung for {hang_s} s (attempt {attempt + 1}); stdout:\n{out}\nstacks:\n{err[-20000:]}"
+            if attempt == 1:
+                raise AssertionError(report)
+            warnings.warn(report)
+
 DDP_PATHS = {'dar-block': [], 'attnres-block': ['--residual=attnres'], 'mhc': ['--residual=mhc', '--depth_block=1'],
              'standard+moe': ['--residual=standard', '--depth_block=1', '--n_expert=4', '--expert_hidden=32']}
 
@@ -1081,10 +1102,7 @@ DDP_PATHS = {'dar-block': [], 'attnres-block': ['--residual=attnres'], 'mhc': ['
 def test_ddp_two_processes_equal_one(workdir, path):
     args = SMALL + ['--gradient_accumulation_steps=2', '--max_iters=5', '--eval_interval=100', '--overwrite=True'] + DDP_PATHS[path]
     one = run(args + ['--out_dir=ddp1'], workdir)
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           os.path.join(ROOT, 'train.py')] + args + ['--out_dir=ddp2']
-    two = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
+    two = torchrun(args + ['--out_dir=ddp2'], workdir, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert two.returncode == 0, two.stderr
     l1 = [float(x.split()[-1]) for x in losses(one.stdout)]
     l2 = [float(x.split()[-1]) for x in losses(two.stdout)]
@@ -1826,9 +1844,7 @@ def test_fsdp2_two_processes_equal_one(workdir):
     # one thread in every process, the reference too: only FSDP's reduction order may differ
     env = dict(os.environ, OMP_NUM_THREADS='1')
     one = run(args + ['--out_dir=fsdp1'], workdir, env=env)
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           os.path.join(ROOT, 'train.py')] + args + ['--out_dir=fsdp2', '--fsdp=True', '--activation_checkpointing=True']
-    two = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, timeout=600)
+    two = torchrun(args + ['--out_dir=fsdp2', '--fsdp=True', '--activation_checkpointing=True'], workdir, env)
     assert two.returncode == 0, two.stderr[-3000:]
     l1 = [float(x.split()[-1]) for x in losses(one.stdout)]
     l2 = [float(x.split()[-1]) for x in losses(two.stdout)]

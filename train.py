@@ -371,8 +371,7 @@ def main(argv):
     raw_model, model_args, checkpoint = init_model(cfg, given, data_dir, ckpt_path)
     raw_model.to(device)
     shard(raw_model, cfg, ddp)
-    # initialize a GradScaler. If enabled=False scaler is a no-op
-    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+    scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16')) # a no-op unless float16
     optimizer = raw_model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'], (cfg['beta1'], cfg['beta2']), device_type)
     run = restore(checkpoint, raw_model, optimizer, scaler, data_gen, cfg, rank, world_size, device_type)
     checkpoint = None # free up memory
@@ -434,7 +433,8 @@ def main(argv):
         saved = f"best val loss {run['best_val_loss']:.4f} in {ckpt_path}; sample it with: python sample.py --out_dir={cfg['out_dir']}" \
             if os.path.exists(ckpt_path) else "no checkpoint saved"
         print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
-    if ddp:
+    if ddp: # every rank past its last collective before any tears the group down
+        dist.barrier()
         dist.destroy_process_group()
     return 128 + stopping if stopping else 0 # after a stop: a script sees the run did not finish
 
