@@ -179,6 +179,7 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
+        # res: the residual path (RESIDUALS[config.residual]); s: its state, from res.begin(e)
         # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
@@ -298,9 +299,9 @@ class MHC(nn.Module):
 
 # depth attention, shared by AttnRes and DAR
 def depth_read(w, g, keys, values):
-    """One reader's softmax over depth, the definition of depth_op.fused_read (which the model
-    runs): w, g (n_embd,) its pseudo-query and keys' RMSNorm weight; R keys, values (B, T, C).
-    Scores in fp32 (fp32(v): v in fp32; fp64 stays fp64, for the tests)."""
+    """One reader's softmax over depth, the definition of depth_op.fused_read, which the model runs
+    (equal in values and gradients: test_depth_op_equals_the_readable_reads_in_fp64): w, g (n_embd,)
+    its pseudo-query and keys' RMSNorm weight; R keys, values (B, T, C). Scores in fp32."""
     # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6
     rms = [torch.sqrt(fp32(k).pow(2).mean(-1) + RMS_EPS) for k in keys]
     # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r)
@@ -312,8 +313,8 @@ def depth_read(w, g, keys, values):
     return h, weights
 
 def dar_write(P, y, beta, rho):
-    """DAR's write of y_l (B, T, C) into the partials P = [P^0, P^1] (None: P^j = 0), the definition
-    of depth_op.write (which the model runs): beta = beta_l (2, C), per channel; rho = rho_l."""
+    """DAR's write of y_l (B, T, C) into P = [P^0, P^1] (None: P^j = 0), beta = beta_l (2, C),
+    rho = rho_l. depth_op.write equals it (test_dar_write_operation_equals_its_definition)."""
     if P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
         return [beta[0] * y, beta[1] * y]
     P0, P1 = P
@@ -380,13 +381,13 @@ class AttnRes(nn.Module):
             s.commit()
         return s
 
-# dar_routing -> per target j = 0, 1: (the stream of its keys, the stream of its values)
+# dar_routing -> (key_streams, value_streams), each indexed by the target j
 ROUTES = {
-    'cross': [(1, 0), (0, 1)], # DAR: keys RMSNorm(C^{1-j}), values C^j: (1 - j, j)
-    'self': [(0, 0), (1, 1)], # SelfKV: keys RMSNorm(C^j), values C^j
-    'crossv': [(0, 1), (1, 0)], # CrossV: keys RMSNorm(C^j), values C^{1-j}
-    'fixed': [(0, 1), (0, 1)], # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
-    'sepv': [(0, 0), (1, 1)], # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
+    'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
+    'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
+    'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
+    'fixed': ((0, 0), (1, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
+    'sepv': ((0, 1), (0, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
 }
 
 class DAR(nn.Module):
@@ -397,8 +398,7 @@ class DAR(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        # per target j = 0, 1: (the stream of its keys, the stream of its values)
-        self.routes = ROUTES[config.dar_routing]
+        self.key_streams, self.value_streams = ROUTES[config.dar_routing]
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -428,16 +428,17 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        queries, g, fusion = s.w[l], s.g[l], s.fusion[l] # (w^0_l, w^1_l), g_l, (alpha_l, 1-alpha_l)
-        key_streams, value_streams = zip(*self.routes) # cross (DAR): target j keys 1 - j, values j
-        # h^j = depth_read(w^j_l, g_l, keys C^{1-j} (RMSNorm'd with g_l), values C^j (raw)), and
-        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), |C| candidates per stream [R]: one operation,
-        # = self.fuse(s, l, *self.reads(s, l)), target by target (test_dar_read_is_its_reads_fused)
-        return s.read_streams(queries, g, key_streams, value_streams, fusion=fusion)[0]
+        (w0, w1), g, fusion = s.w[l], s.g[l], s.fusion[l] # w^j_l, g_l, (alpha_l, 1 - alpha_l)
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_g(C^{1-j}_r)) C^j_r: keys of the other stream
+        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: LayerNorm ignores it, a mean sinks in eps]
+        # both targets in one operation, = self.fuse(s, l, *self.reads(s, l)) (test_dar_read_is_its_reads_fused)
+        x, weights = s.read_streams([w0, w1], g, self.key_streams, self.value_streams, fusion)
+        return x
 
     def reads(self, s, l):
         """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
-        h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, (k, v) in zip(s.w[l], self.routes)])
+        targets = zip(s.w[l], self.key_streams, self.value_streams) # per target j
+        h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, k, v in targets])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
@@ -448,11 +449,11 @@ class DAR(nn.Module):
         return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
+        beta, rho = s.beta[l], s.rho[l] # beta^j_l (2, C), per channel; rho_l (None: blocks of 1)
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        # (rho_l, beta^j_l; from P^j = 0 where a block starts): dar_write, as one operation
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l])
-        # commit after a block's K-th sublayer and after the last, L-1 (a short last block's partial
-        # is committed too [R]): H^j.append(P^j); P^j = 0
+        # (from P^j = 0 where a block starts): dar_write's lines, as one operation
+        s.P = depth_op.write(s.P, y, beta, rho)
+        # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()
         return s
@@ -564,8 +565,7 @@ class GPT(nn.Module):
     def estimate_mfu(self, fwdbwd_per_iter, dt):
         """Model flops utilization against the bf16 dense peak of this GPU (PaLM Appendix B flops;
         the depth reads are not counted). None if the peak is unknown."""
-        # bf16 dense peak flops (vendor datasheets)
-        peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12}
+        peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12} # bf16 dense
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
         peak = next((v for k, v in peaks.items() if k in name), None)
         if peak is None:
