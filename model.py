@@ -416,8 +416,7 @@ class DAR(nn.Module):
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
         s = DepthState(e, 2, self.include_partial)
-        # rows as tensors of their own: s.w[l][j] = query[l, j] = w^j_l, s.g[l] = key_norm[l] = g_l
-        # (depth_op.rows: compiled, a row taken by index would make each sublayer's code differ)
+        # depth_op.rows: a tensor per row (compiled, a row by index gives each sublayer new code)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -428,7 +427,8 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        (w0, w1), g, fusion = s.w[l], s.g[l], s.fusion[l] # w^j_l, g_l, (alpha_l, 1 - alpha_l)
+        # begin's rows: w^j_l = query[l, j], g_l = key_norm[l], alpha_l = sigmoid(alpha_logit[l])
+        (w0, w1), g, fusion = s.w[l], s.g[l], s.fusion[l] # fusion = (alpha_l, 1 - alpha_l)
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_g(C^{1-j}_r)) C^j_r: keys of the other stream
         # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: LayerNorm ignores it, a mean sinks in eps]
         # both targets in one operation, = self.fuse(s, l, *self.reads(s, l)) (test_dar_read_is_its_reads_fused)
@@ -449,7 +449,8 @@ class DAR(nn.Module):
         return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
-        beta, rho = s.beta[l], s.rho[l] # beta^j_l (2, C), per channel; rho_l (None: blocks of 1)
+        # begin's rows: beta^j_l = 2 sigmoid(beta_logit[l, j]), rho_l = sigmoid(rho_logit[l])
+        beta, rho = s.beta[l], s.rho[l] # rho: None with blocks of 1 (a write never meets a partial)
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
         # (from P^j = 0 where a block starts): dar_write's lines, as one operation
         s.P = depth_op.write(s.P, y, beta, rho)
@@ -502,13 +503,12 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, cache=None):
-        device = idx.device
         b, t = idx.size()
         assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
-        pos = torch.arange(0, t, dtype=torch.long, device=device) # shape (t)
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device) # shape (t)
         if cache is not None: # the new tokens follow the cached ones
             pos = cache.pos + pos
-            cache.mask = torch.arange(self.config.block_size, device=device) <= pos[:, None]
+            cache.mask = torch.arange(self.config.block_size, device=idx.device) <= pos[:, None]
         e = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)) # (b, t, C)
         res = self.transformer.res # the residual path: RESIDUALS[config.residual], one of four
         s = res.begin(e)
