@@ -179,7 +179,7 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
-        # res: the residual path (RESIDUALS[config.residual]); s: its state, from res.begin(e)
+        # res: the path (RESIDUALS[config.residual]), s: its state; sublayers l = self.l, self.l + 1
         # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
@@ -381,8 +381,7 @@ class AttnRes(nn.Module):
             s.commit()
         return s
 
-# dar_routing -> (key_streams, value_streams), each indexed by the target j
-ROUTES = {
+ROUTES = { # dar_routing -> (key_streams, value_streams), each indexed by the target j
     'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
     'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
     'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
@@ -398,7 +397,7 @@ class DAR(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.key_streams, self.value_streams = ROUTES[config.dar_routing]
+        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # indexed by the target j
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -416,7 +415,7 @@ class DAR(nn.Module):
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
         s = DepthState(e, 2, self.include_partial)
-        # depth_op.rows: a tensor per row (compiled, a row by index gives each sublayer new code)
+        # depth_op.rows(p, 2): [l][j], a tensor per row (compiled, an index gives each sublayer new code)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -429,9 +428,10 @@ class DAR(nn.Module):
             return self.fuse(s, l, *self.reads(s, l))
         # begin's rows: w^j_l = query[l, j], g_l = key_norm[l], alpha_l = sigmoid(alpha_logit[l])
         (w0, w1), g, fusion = s.w[l], s.g[l], s.fusion[l] # fusion = (alpha_l, 1 - alpha_l)
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_g(C^{1-j}_r)) C^j_r: keys of the other stream
-        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: LayerNorm ignores it, a mean sinks in eps]
-        # both targets in one operation, = self.fuse(s, l, *self.reads(s, l)) (test_dar_read_is_its_reads_fused)
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_g(C^{1-j}_r)) C^j_r, cross: key_streams = (1, 0),
+        # value_streams = (0, 1); x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: LayerNorm
+        # ignores it, a mean sinks in eps]; one operation, = self.fuse(s, l, *self.reads(s, l))
+        # (test_dar_read_is_its_reads_fused)
         x, weights = s.read_streams([w0, w1], g, self.key_streams, self.value_streams, fusion)
         return x
 
