@@ -434,7 +434,7 @@ def main(argv):
             if os.path.exists(ckpt_path) else "no checkpoint saved"
         print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
     if ddp: # every rank past its last collective before any tears the group down
-        dist.barrier()
+        dist.barrier(device_ids=[local_rank] if device_type == 'cuda' else None) # (named: no NCCL warning)
         dist.destroy_process_group()
     return 128 + stopping if stopping else 0 # after a stop: a script sees the run did not finish
 
