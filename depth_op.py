@@ -327,6 +327,15 @@ def triton_failed(e):
     print(f"depth_op: the Triton kernels failed ({type(e).__name__}: {last}); depth reads run as torch ops, slower")
     _triton_failed.append(e)
 
+def by_triton(run, device_type, *args):
+    """run(*args), a Triton wrapper below, with autocast off (its torch ops in the compute dtype);
+    None where the kernels failed (triton_failed): the caller goes on to its other bodies."""
+    try:
+        with torch.autocast(device_type, enabled=False):
+            return run(*args)
+    except Exception as e:
+        triton_failed(e)
+
 def triton_dtype(tensors):
     return torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
 
@@ -419,11 +428,9 @@ def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
     S, Tn, dtype = len(cand) // R, len(ws), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     if on_triton(cand + ws + gates + [g]):
-        try:
-            with torch.autocast(g.device.type, enabled=False):
-                return read_forward_triton(ws, g, cand, R, routes, gates, eps, scale)
-        except Exception as e:
-            triton_failed(e)
+        out = by_triton(read_forward_triton, g.device.type, ws, g, cand, R, routes, gates, eps, scale)
+        if out is not None:
+            return out
     if on_kernel(cand + ws + gates + [g]):
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous()
@@ -472,11 +479,9 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, i
     gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
     gin = [t for j in range(S) for t in [*dS[j].unbind(0), None][:R]]
     if on_triton(cand + ws + gates + [g, dx]) and all(t.dtype == triton_dtype(cand) for t in gout):
-        try:
-            with torch.autocast(g.device.type, enabled=False):
-                return *read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale), gS, dP
-        except Exception as e:
-            triton_failed(e)
+        out = by_triton(read_backward_triton, g.device.type, dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale)
+        if out is not None:
+            return *out, gS, dP
     if on_kernel(cand + ws + gates + [g, dx] + dS): # (all of one dtype: so are dw, dg and dgate)
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
@@ -640,10 +645,9 @@ def write_forward(P, y, beta, rho):
     """[P^0', P^1'] from the partials P ([P^0, P^1], or [] where a block starts), the output y and
     the gates beta (2, C) and rho (a scalar; None with blocks of one)."""
     if on_triton(write_inputs(P, y, beta, rho)):
-        try:
-            return write_forward_triton(P, y, beta, rho)
-        except Exception as e:
-            triton_failed(e)
+        out = by_triton(write_forward_triton, y.device.type, P, y, beta, rho)
+        if out is not None:
+            return out
     if on_kernel(write_inputs(P, y, beta, rho)):
         P, y, beta = [p.contiguous() for p in P], y.contiguous(), beta.contiguous()
         out = [torch.empty_like(y), torch.empty_like(y)]
@@ -664,10 +668,9 @@ def write_backward(P, y, beta, rho, d):
         dbeta^j = sum over (B, T) of y d_j ;  drho = sum (P^0 - P^1) . (d0 - d1)"""
     d0, d1 = [torch.zeros_like(y) if t is None else t for t in d]
     if on_triton(write_inputs(P, y, beta, rho) + [d0, d1]):
-        try:
-            return write_backward_triton(P, y, beta, rho, d0, d1)
-        except Exception as e:
-            triton_failed(e)
+        out = by_triton(write_backward_triton, y.device.type, P, y, beta, rho, d0, d1)
+        if out is not None:
+            return out
     if on_kernel(write_inputs(P, y, beta, rho) + [d0, d1]):
         P, y, beta, d0, d1 = [p.contiguous() for p in P], y.contiguous(), beta.contiguous(), d0.contiguous(), d1.contiguous()
         dP, dy, dbeta = [torch.empty_like(p) for p in P], torch.empty_like(y), torch.empty_like(beta)

@@ -402,6 +402,11 @@ def use_readable(monkeypatch):
     monkeypatch.setattr(depth_op, 'fused_read', readable_reads)
     monkeypatch.setattr(depth_op, 'write', model_module.dar_write)
 
+def use_torch_ops(monkeypatch):
+    """depth_op's operations run their torch-ops bodies: no Triton kernel, no depth_op.cpp."""
+    monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
+    monkeypatch.setattr(depth_op, 'on_kernel', lambda tensors: False)
+
 def loss_and_grads(name, include_partial, compile=None, seed=1):
     """The training loss and every parameter's gradient of the path's fp64 model."""
     model = make(name, include_partial=include_partial).double()
@@ -431,8 +436,7 @@ def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, body,
     if body == 'triton':
         needs_interpreter()
     elif body == 'torch':
-        monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
-        monkeypatch.setattr(depth_op, 'on_kernel', lambda tensors: False)
+        use_torch_ops(monkeypatch)
     else:
         monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
         assert depth_op.library() is not None, "depth_op.cpp did not build"
@@ -482,8 +486,7 @@ def test_triton_read_equals_its_torch_ops(routes, dtype):
         backward = lambda: depth_op.read_backward(dx, *args, *want[1:], [d.clone() for d in dS], float(R), in_place)
         got = backward()
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(depth_op, 'on_triton', lambda tensors: False)
-            m.setattr(depth_op, 'on_kernel', lambda tensors: False)
+            use_torch_ops(m)
             want_grads = backward()
         for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want_grads)):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
