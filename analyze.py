@@ -96,12 +96,12 @@ class Probe:
 
     def recording(self, s):
         """The AttnRes state s, each of its depth reads' weights recorded; its history kept."""
-        read_streams = s.read_streams
+        read = s.read
         def recorded(*args, **kwargs):
-            x, weights = read_streams(*args, **kwargs)
+            x, weights = read(*args, **kwargs)
             self.weights.append(weights[0].detach())
             return x, weights
-        s.read_streams, self.H = recorded, s.H
+        s.read, self.H = recorded, s.H
         return s
 
     def __call__(self, l, s, h, weights):

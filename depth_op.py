@@ -603,29 +603,30 @@ def _backward(ctx, grads):
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def fused_read(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
+def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
     """x = scale sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the
     targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
-    (data: their gradients run through handles and partials); routes: per target, the stream of its
-    keys and the stream of its values; gates: per target, or None; handles: per stream, the handle of
-    its committed candidates; partials: per stream, its partial block (the last candidate), or
-    None; eps: the key norm's; scale: a number (inside the operation, so that the code compiled
-    around it is the same for every R). Returns x, the weights a (T, R, B, T) and the handles."""
-    R, flat_routes = len(cand[0]), [j for route in routes for j in route]
-    cand, gates, partials = sum(cand, []), gates or [], partials or []
-    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        # inference (prefill, decode): traced, so that inductor fuses the reads; at a token a
-        # call of the operation costs more than the read
-        x, a, _, _ = read_torch(ws, g, cand, R, flat_routes, gates, eps, scale)
+    (data: their gradients run through handles and partials); keys, values: per target, the stream
+    of cand it takes its keys from and the one it takes its values from (each stream is read once);
+    gates: per target, or None; handles: per stream, the handle of its committed candidates (a
+    stream with more candidates than its handle has entries ends in its partial block); eps: the key
+    norm's; scale: a number (inside the operation, so that the code compiled around it is the same
+    for every R). Returns x, the weights a (T, R, B, T) and the handles."""
+    stream = lambda c: [c is c_j for c_j in cand].index(True)
+    routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
+    R = len(cand[0])
+    if not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are; compiled
+        # (prefill, decode) traced, so that inductor fuses the reads: at a token a call costs more
+        read = read_torch if torch.compiler.is_compiling() else read_forward
+        x, a, _, _ = read(ws, g, sum(cand, []), R, routes, gates or [], eps, scale)
         return x, a, handles
+    partials = [c[-1] for c in cand] if R > handles[0].size(0) else [] # more than the committed
+    cand, gates = sum(cand, []), gates or []
     if torch.compiler.is_compiling():
-        out = _read(ws, g, cand, R, flat_routes, gates, eps, float(scale), handles, partials)
-    elif not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are
-        x, a, _, _ = read_forward(ws, g, cand, R, flat_routes, gates, eps, scale)
-        return x, a, handles
+        out = _read(ws, g, cand, R, routes, gates, eps, float(scale), handles, partials)
     else:
         counts = (len(ws), len(gates), len(handles), len(partials), len(cand))
-        out = DepthRead.apply(g, R, flat_routes, eps, scale, counts, *ws, *gates, *handles, *partials, *cand)
+        out = DepthRead.apply(g, R, routes, eps, scale, counts, *ws, *gates, *handles, *partials, *cand)
     return out[0], out[1], list(out[4:])
 
 # -----------------------------------------------------------------------------

@@ -179,7 +179,7 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
-        # res: the path (RESIDUALS[config.residual]), s: its state; sublayers l = self.l, self.l + 1
+        # res: Standard, AttnRes, MHC or DAR (config.residual), s: its state; l = self.l, self.l + 1
         # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
@@ -266,7 +266,6 @@ class MHC(nn.Module):
         return e.unsqueeze(2).expand(-1, -1, self.n, -1)
 
     def read(self, X, l):
-        # x_l = sum_i pre_i X_i
         return self.fuse(X, l, *self.reads(X, l))
 
     def reads(self, X, l):
@@ -298,19 +297,23 @@ class MHC(nn.Module):
         return M @ X + post.unsqueeze(-1) * y.unsqueeze(2)
 
 # depth attention, shared by AttnRes and DAR
-def depth_read(w, g, keys, values):
-    """One reader's softmax over depth, the definition of depth_op.fused_read, which the model runs
-    (equal in values and gradients: test_depth_op_equals_the_readable_reads_in_fp64): w, g (n_embd,)
-    its pseudo-query and keys' RMSNorm weight; R keys, values (B, T, C). Scores in fp32."""
-    # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6
-    rms = [torch.sqrt(fp32(k).pow(2).mean(-1) + RMS_EPS) for k in keys]
-    # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r)
-    scores = torch.stack([(fp32(k) * (g * w)).sum(-1) / rms_r for k, rms_r in zip(keys, rms)])
-    # a_r = softmax over depth r of the scores (no 1/sqrt(n_embd))
-    weights = scores.softmax(0)
-    # h = sum_r a_r v_r: the values are raw, only the keys are normed
-    h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(weights, values))
-    return h, weights
+def depth_read(queries, g, keys, values, gates, scale):
+    """Target t reads R keys[t], values[t] (B, T, C) with its query queries[t]; g: the keys' RMSNorm
+    weight. The model runs it as depth_op.fused_read, equal in values and every gradient (fp64;
+    every path, routing, K, partial on/off; test_depth_op_equals_the_readable_reads_in_fp64)."""
+    x, weights = 0, []
+    for t, (w, keys_t, values_t) in enumerate(zip(queries, keys, values)):
+        # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6; scores in fp32
+        rms = [torch.sqrt(fp32(k).pow(2).mean(-1) + RMS_EPS) for k in keys_t]
+        # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r)
+        scores = torch.stack([(fp32(k) * (g * w)).sum(-1) / rms_r for k, rms_r in zip(keys_t, rms)])
+        # a_r = softmax over depth r of the scores (no 1/sqrt(n_embd))
+        a = scores.softmax(0)
+        # h_t = sum_r a_r v_r: the values are raw, only the keys are normed
+        h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values_t))
+        # x = sum_t gate_t h_t (no gates: one target, x = h_0)
+        x, weights = x + (h if gates is None else gates[t] * h), weights + [a]
+    return scale * x, torch.stack(weights) # [R] scale = |C|: AttnRes.read, DAR.read
 
 def dar_write(P, y, beta, rho):
     """DAR's write of y_l (B, T, C) into P = [P^0, P^1] (None: P^j = 0), beta = beta_l (2, C),
@@ -339,17 +342,15 @@ class DepthState:
             self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
         self.P = None
 
-    def read_streams(self, queries, g, key_streams, value_streams, fusion=None):
-        """|C| x and the weights (targets, |C|, B, T), |C| candidates per stream: x = sum_t fusion_t
-        h_t (one target, no fusion: x = h_0), h_t = depth_read(queries[t], g, C^{key_streams[t]},
-        C^{value_streams[t]}), in one operation; C^j = H^j, plus P^j if included and not 0."""
-        partial = self.include_partial and self.P is not None
-        cand = [H + [P] for H, P in zip(self.H, self.P)] if partial else self.H # C^j
-        routes = list(zip(key_streams, value_streams)) # per target: (keys' stream, values' stream)
-        # [R] |C| x: at uniform weights the candidates' sum, the standard residual (their mean would
-        # sink into the pre-norm's eps). (P goes in apart too: its gradient returns as a tensor.)
-        x, weights, self.handle = depth_op.fused_read(queries, g, cand, routes, fusion, self.handle,
-                                                      self.P if partial else None, RMS_EPS, scale=len(cand[0]))
+    def candidates(self):
+        # C^j = H^j, plus P^j once the block has a write (if include_partial)
+        return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
+
+    def read(self, C, queries, g, keys, values, gates=None, scale=1):
+        """depth_read(queries, g, keys, values, gates, scale) as one operation, tested equal;
+        keys[t], values[t]: streams of C, each read once. x, weights (targets, |C|, B, T)."""
+        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, gates,
+                                                      self.handle, RMS_EPS, scale)
         return x, weights
 
 class AttnRes(nn.Module):
@@ -370,8 +371,9 @@ class AttnRes(nn.Module):
         return s
 
     def read(self, s, l):
-        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r, V = [b_0, .., b_{n-1}, b_n^{i-1}] [R: |V|]
-        return s.read_streams([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])[0]
+        V = s.candidates()[0] # [b_0, .., b_{n-1}, b_n^{i-1}]
+        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R: |V|, as DAR.read]: depth_read
+        return s.read([V], [s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -415,7 +417,7 @@ class DAR(nn.Module):
     def begin(self, e):
         # H^0_0 = H^1_0 = e [R]
         s = DepthState(e, 2, self.include_partial)
-        # depth_op.rows(p, 2): [l][j], a tensor per row (compiled, an index gives each sublayer new code)
+        # depth_op.rows(p, 2)[l][j] = p[l, j], a tensor per row (compiled: an index, new code per l)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -426,19 +428,19 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        # begin's rows: w^j_l = query[l, j], g_l = key_norm[l], alpha_l = sigmoid(alpha_logit[l])
-        (w0, w1), g, fusion = s.w[l], s.g[l], s.fusion[l] # fusion = (alpha_l, 1 - alpha_l)
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_g(C^{1-j}_r)) C^j_r, cross: key_streams = (1, 0),
-        # value_streams = (0, 1); x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: LayerNorm
-        # ignores it, a mean sinks in eps]; one operation, = self.fuse(s, l, *self.reads(s, l))
-        # (test_dar_read_is_its_reads_fused)
-        x, weights = s.read_streams([w0, w1], g, self.key_streams, self.value_streams, fusion)
+        C = s.candidates() # C^j = H^j, plus P^j once the block has a write (if include_partial)
+        # target j's keys and values: DAR (cross) keys C^{1-j}, values C^j; ROUTES: the ablations'
+        keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r (depth_read; begin's rows)
+        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: at uniform a, the standard residual]
+        x, weights = s.read(C, s.w[l], s.g[l], keys, values, gates=s.fusion[l], scale=len(C[0]))
         return x
 
     def reads(self, s, l):
         """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
-        targets = zip(s.w[l], self.key_streams, self.value_streams) # per target j
-        h, weights = zip(*[s.read_streams([w], s.g[l], [k], [v]) for w, k, v in targets])
+        C = s.candidates()
+        keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
+        h, weights = zip(*[s.read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
@@ -449,11 +451,9 @@ class DAR(nn.Module):
         return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
-        # begin's rows: beta^j_l = 2 sigmoid(beta_logit[l, j]), rho_l = sigmoid(rho_logit[l])
-        beta, rho = s.beta[l], s.rho[l] # rho: None with blocks of 1 (a write never meets a partial)
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        # (from P^j = 0 where a block starts): dar_write's lines, as one operation
-        s.P = depth_op.write(s.P, y, beta, rho)
+        # (both from the old P; P^j = 0 where a block starts): dar_write, one operation (tested)
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l])
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit()

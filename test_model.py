@@ -388,14 +388,9 @@ def test_gradient_reaches_every_parameter(name):
 
 DEPTH = [n for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar') and '+moe' not in n]
 
-def readable_reads(ws, g, cand, routes, gates, handles, partials, eps, scale=1.0):
-    """depth_op.fused_read by its definition: x = scale sum_t gate_t depth_read(target t)."""
-    x, a = 0, []
-    for t, (k, v) in enumerate(routes):
-        h, a_t = model_module.depth_read(ws[t], g, cand[k], cand[v])
-        x = x + (h if gates is None else gates[t] * h)
-        a.append(a_t)
-    return scale * x, torch.stack(a), handles
+def readable_reads(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
+    """depth_op.fused_read by its definition, model.depth_read."""
+    return *model_module.depth_read(ws, g, keys, values, gates, scale), handles
 
 def use_readable(monkeypatch):
     """The model runs the readable definitions in place of depth_op's operations."""
