@@ -131,13 +131,13 @@ class MoE(nn.Module):
         gate, expert = probs.topk(k, dim=-1) # (B*T, k)
         # gate_i = p_i / sum_{top-k} p
         gate = gate / gate.sum(-1, keepdim=True)
-        # group the B*T*k (token, expert) slots by expert
+        # slot s = token * k + choice, one per (token, chosen expert): its expert slot_expert[s]
         slot_expert = expert.view(-1) # (B*T*k,)
-        order = slot_expert.argsort(stable=True) # slots sorted by expert
-        token = order // k # slot = token * k + choice
+        order = slot_expert.argsort(stable=True) # the slots, sorted: each expert's rows contiguous
+        token = order // k # the token of each sorted slot
         counts = slot_expert.new_zeros(E).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
-        ys = self.experts(x[token], counts, slot_expert[order]) # (B*T*k, C)
-        # y = sum_{i in top-k} gate_i expert_i(x)
+        ys = self.experts(x[token], counts, slot_expert[order]) # expert(x_token) per sorted slot
+        # y_token = sum_{i in top-k} gate_i expert_i(x_token): each slot added into its token's row
         weighted = ys * gate.view(-1)[order].unsqueeze(-1).to(ys.dtype)
         y = torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, weighted)
         if self.shared is not None:

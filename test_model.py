@@ -78,7 +78,7 @@ def randomize(model, seed=0):
 
 def make(name, seed=0, **kw):
     torch.manual_seed(seed)
-    model = GPT(tiny(**PATHS[name], **kw))
+    model = GPT(tiny(**{**PATHS[name], **kw}))
     model.eval()
     return randomize(model, seed)
 
@@ -402,9 +402,9 @@ def use_torch_ops(monkeypatch):
     monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
     monkeypatch.setattr(depth_op, 'on_kernel', lambda tensors: False)
 
-def loss_and_grads(name, include_partial, compile=None, seed=1):
+def loss_and_grads(name, include_partial, compile=None, seed=1, **kw):
     """The training loss and every parameter's gradient of the path's fp64 model."""
-    model = make(name, include_partial=include_partial).double()
+    model = make(name, include_partial=include_partial, **kw).double()
     model.train()
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(seed))
     forward = model if compile is None else torch.compile(model, fullgraph=True, backend=compile)
@@ -423,11 +423,13 @@ def needs_interpreter():
         pytest.skip("Triton's interpreter: test_triton_kernels_in_the_interpreter runs this with TRITON_INTERPRET=1")
 
 @pytest.mark.parametrize('body', ['kernel', 'torch', 'triton'])
-@pytest.mark.parametrize('name, include_partial', [(n, p) for n in DEPTH for p in (True, False)])
-def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, body, monkeypatch):
-    """Every path, routing, K and partial on / off: the loss and every gradient of the model that runs
-    depth_op (depth_op.cpp, its torch-ops body, or its Triton kernels in Triton's interpreter) equal
-    those of the readable depth_read and dar_write, in fp64."""
+@pytest.mark.parametrize('name, include_partial, K', [(n, p, None) for n in DEPTH for p in (True, False)]
+                         + [('attnres-block', True, 2), ('dar-cross-block', True, 2)])
+def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, K, body, monkeypatch):
+    """Every path, routing, K (1, 4 over 6 sublayers, and train.py's 2) and partial on / off: the
+    loss and every gradient of the model that runs depth_op (depth_op.cpp, its torch-ops body, or
+    its Triton kernels in Triton's interpreter) equal those of depth_read and dar_write, in fp64."""
+    kw = {} if K is None else dict(depth_block=K)
     if body == 'triton':
         needs_interpreter()
     elif body == 'torch':
@@ -435,9 +437,9 @@ def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, body,
     else:
         monkeypatch.setattr(depth_op, 'on_triton', lambda tensors: False)
         assert depth_op.library() is not None, "depth_op.cpp did not build"
-    got = loss_and_grads(name, include_partial)
+    got = loss_and_grads(name, include_partial, **kw)
     use_readable(monkeypatch)
-    assert_same(got, loss_and_grads(name, include_partial))
+    assert_same(got, loss_and_grads(name, include_partial, **kw))
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name, include_partial', [(n, p) for n in DEPTH for p in (True, False)])
