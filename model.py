@@ -179,7 +179,7 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
-        # res: Standard, AttnRes, MHC or DAR (config.residual), s: its state; l = self.l, self.l + 1
+        # res: the path (config.residual), s its state; l = self.l = 2i, 2i + 1; Norm_l = ln_1, ln_2
         # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
@@ -277,7 +277,7 @@ class MHC(nn.Module):
                 # pre = sigmoid(s_out * xf @ W_out + b_out)
                 pre = torch.sigmoid(self.out_scale * (xf @ self.out_proj) + self.out_bias)
             else:
-                self.z = xf @ self.proj[l] # xf @ [W_pre | W_post | W_res], (B, T, 2n+n*n): for write
+                self.z = xf @ self.proj[l] # xf @ [W_pre | W_post | W_res] (B, T, 2n+n*n), for write
                 # pre = sigmoid(s_pre * xf @ W_pre + b_pre)
                 pre = torch.sigmoid(self.scale[l, 0] * self.z[..., :self.n] + self.b_pre[l])
         return list(X.unbind(2)), pre
@@ -331,8 +331,7 @@ class DepthState:
 
     def __init__(self, e, streams, include_partial):
         self.include_partial = include_partial
-        # H^j_0 = e ; P^j = 0, held as P = None (no partial yet)
-        self.H, self.P = [[e] for _ in range(streams)], None
+        self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
         self.handle = [depth_op.grow(None, e) for _ in range(streams)]
 
     def commit(self):
@@ -347,10 +346,8 @@ class DepthState:
         return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
     def read(self, C, queries, g, keys, values, gates=None, scale=1):
-        """depth_read(queries, g, keys, values, gates, scale) as one operation, tested equal;
-        keys[t], values[t]: streams of C, each read once. x, weights (targets, |C|, B, T)."""
-        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, gates,
-                                                      self.handle, RMS_EPS, scale)
+        """depth_read(queries, g, keys, values, gates, scale) as one operation; keys, values of C"""
+        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, gates, self.handle, RMS_EPS, scale)
         return x, weights
 
 class AttnRes(nn.Module):
@@ -415,8 +412,7 @@ class DAR(nn.Module):
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
-        # H^0_0 = H^1_0 = e [R]
-        s = DepthState(e, 2, self.include_partial)
+        s = DepthState(e, 2, self.include_partial) # H^0_0 = H^1_0 = e [R]
         # depth_op.rows(p, 2)[l][j] = p[l, j], a tensor per row (compiled: an index, new code per l)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
@@ -428,12 +424,16 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        C = s.candidates() # C^j = H^j, plus P^j once the block has a write (if include_partial)
-        # target j's keys and values: DAR (cross) keys C^{1-j}, values C^j; ROUTES: the ablations'
+        C = s.candidates() # C^j = H^j, plus P^j if include_partial and the block has a write
+        # target j: keys C^{1-j}, values C^j (ROUTES['cross'] = key, value streams ((1, 0), (0, 1)))
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r (depth_read; begin's rows)
-        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1) [R |C|: at uniform a, the standard residual]
-        x, weights = s.read(C, s.w[l], s.g[l], keys, values, gates=s.fusion[l], scale=len(C[0]))
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r, w^j_l = s.w[l][j]
+        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), gates s.fusion[l] = (alpha_l, 1 - alpha_l)
+        # [R, not in equations.md] |C|: the zero-init read h_{l-1}/|C|, which Norm_l's eps damps,
+        # becomes h_{l-1}, as in the standard residual
+        # s.read: depth_read as one operation; test_depth_op_equals_the_readable_reads_in_fp64 runs
+        # the model on depth_read and dar_write instead (loss, every gradient, fp64; K = 2 included)
+        x, weights = s.read(C, s.w[l], s.g[l], keys=keys, values=values, gates=s.fusion[l], scale=len(C[0]))
         return x
 
     def reads(self, s, l):
@@ -452,11 +452,11 @@ class DAR(nn.Module):
 
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        # (both from the old P; P^j = 0 where a block starts): dar_write, one operation (tested)
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l])
+        # from the old P; P None: P^j <- beta^j y_l. depth_op.write: dar_write as one operation
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # beta_l (2, C), rho_l: begin's rows
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
-            s.commit()
+            s.commit() # H^j.append(P^j) ; P^j = 0 (P = None)
         return s
 
 RESIDUALS = dict(standard=Standard, attnres=AttnRes, mhc=MHC, dar=DAR) # residual= picks one
