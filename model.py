@@ -413,7 +413,7 @@ class DAR(nn.Module):
 
     def begin(self, e):
         s = DepthState(e, 2, self.include_partial) # H^0_0 = H^1_0 = e [R]
-        # depth_op.rows(p, 2)[l][j] = p[l, j], a tensor per row (compiled: an index, new code per l)
+        # depth_op.rows: rows(p)[l] = p[l], rows(p, 2)[l][j] = p[l, j], each a tensor of its own
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -429,8 +429,8 @@ class DAR(nn.Module):
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r, w^j_l = s.w[l][j]
         # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), gates s.fusion[l] = (alpha_l, 1 - alpha_l)
-        # [R, not in equations.md] |C|: the zero-init read h_{l-1}/|C|, which Norm_l's eps damps,
-        # becomes h_{l-1}, as in the standard residual
+        # [R, not in equations.md] times |C|, the number of candidates: a zero-init read is h_{l-1},
+        # not h_{l-1}/|C|; Norm_l ignores the scale but for its eps, which would damp h_{l-1}/|C|
         # s.read: depth_read as one operation; test_depth_op_equals_the_readable_reads_in_fp64 runs
         # the model on depth_read and dar_write instead (loss, every gradient, fp64; K = 2 included)
         x, weights = s.read(C, s.w[l], s.g[l], keys=keys, values=values, gates=s.fusion[l], scale=len(C[0]))
