@@ -614,19 +614,18 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
     for every R). Returns x, the weights a (T, R, B, T) and the handles."""
     stream = lambda c: [c is c_j for c_j in cand].index(True)
     routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
-    R = len(cand[0])
+    R, flat, gates = len(cand[0]), sum(cand, []), gates or []
     if not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are; compiled
         # (prefill, decode) traced, so that inductor fuses the reads: at a token a call costs more
         read = read_torch if torch.compiler.is_compiling() else read_forward
-        x, a, _, _ = read(ws, g, sum(cand, []), R, routes, gates or [], eps, scale)
+        x, a, _, _ = read(ws, g, flat, R, routes, gates, eps, scale)
         return x, a, handles
     partials = [c[-1] for c in cand] if R > handles[0].size(0) else [] # more than the committed
-    cand, gates = sum(cand, []), gates or []
     if torch.compiler.is_compiling():
-        out = _read(ws, g, cand, R, routes, gates, eps, float(scale), handles, partials)
+        out = _read(ws, g, flat, R, routes, gates, eps, float(scale), handles, partials)
     else:
-        counts = (len(ws), len(gates), len(handles), len(partials), len(cand))
-        out = DepthRead.apply(g, R, routes, eps, scale, counts, *ws, *gates, *handles, *partials, *cand)
+        counts = (len(ws), len(gates), len(handles), len(partials), len(flat))
+        out = DepthRead.apply(g, R, routes, eps, scale, counts, *ws, *gates, *handles, *partials, *flat)
     return out[0], out[1], list(out[4:])
 
 # -----------------------------------------------------------------------------
