@@ -47,17 +47,23 @@ def configure(defaults, argv, nullable=()):
                     source = f.read()
             except OSError as e:
                 fail(f"config file {arg}: {e.strerror}")
-            scope = {}
-            exec(source, {}, scope)
-            items = {k: v for k, v in scope.items() if not k.startswith('_')}
+            # as nanoGPT's: the file sees the config so far (max_iters = 2 * max_iters) and may import
+            scope = dict(config)
+            try:
+                exec(compile(source, arg, 'exec'), scope)
+            except Exception as e:
+                fail(f"config file {arg}: {type(e).__name__}: {e}")
+            items = {k: scope[k] for k in assigned(ast.parse(source)) if not k.startswith('_')}
         elif '=' not in arg:
             fail(f"{arg}: overrides take the form --key=value")
         else:
-            key, value = arg[2:].split('=', 1)
+            key, text = arg[2:].split('=', 1)
             try:
-                value = ast.literal_eval(value) # 3 -> int, 1e-3 -> float, False -> bool
+                value = ast.literal_eval(text) # 3 -> int, 1e-3 -> float, False -> bool
             except (ValueError, SyntaxError):
-                pass # a plain string
+                value = text # a plain string
+            if isinstance(defaults.get(key), str) and not isinstance(value, str): # --start=123: text
+                value = text
             items = {key: value}
         for key, value in items.items():
             if key not in defaults:
@@ -71,6 +77,16 @@ def configure(defaults, argv, nullable=()):
             config[key] = value
             given.add(key)
     return config, given
+
+def assigned(node):
+    """The names a config file assigns at its top level: not an import's, nor those inside a function,
+    a class or a comprehension."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp,
+                         ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        return set()
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return {node.id}
+    return set().union(*[assigned(child) for child in ast.iter_child_nodes(node)])
 
 def check(cfg, rules):
     """One line naming the first value out of its range; rules: (key, ok(value), allowed range)."""

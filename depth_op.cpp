@@ -3,7 +3,7 @@
 // OpenMP and no torch headers: it compiles in a fraction of a second; depth_op.py builds it once
 // and calls it through ctypes.
 // S streams of R candidates each: stream s's candidate r is cand[s * R + r] (N, C), its rms
-// rho (S, R, N), taken in forward. T targets: target t has the query row w[t] (C), reads the keys
+// rms (S, R, N), taken in forward. T targets: target t has the query row w[t] (C), reads the keys
 // of stream ks[t] and the values of stream vs[t], and is scaled by *gate[t] (1 if gate is null);
 // g (C) is the key norm's weight, u_t = g * w_t. Weights a and scores sc: (T, R, N). x (N, C) =
 // scale sum_t gate_t h_t (scale: a number, taken into each target's gate).
@@ -24,17 +24,17 @@ static std::vector<T> queries(int64_t Tn, int64_t C, const T* g, const T* const*
 template <typename T>
 static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* const* cand,
                     const T* g, const T* const* w, const int64_t* ks, const int64_t* vs,
-                    const T* const* gate, T scale, T eps, T* x, T* a, T* sc, T* rho, int threads) {
+                    const T* const* gate, T scale, T eps, T* x, T* a, T* sc, T* rms, int threads) {
     const std::vector<T> u = queries(Tn, C, g, w);
     #pragma omp parallel for num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
-        // rho_r = sqrt(mean(k_r^2) + eps)
+        // rms_r = sqrt(mean(k_r^2) + eps)
         for (int64_t i = 0; i < S * R; i++) {
             const T* k = cand[i] + n * C;
             T sq = 0;
             #pragma omp simd reduction(+:sq)
             for (int64_t c = 0; c < C; c++) sq += k[c] * k[c];
-            rho[i * N + n] = std::sqrt(sq / C + eps);
+            rms[i * N + n] = std::sqrt(sq / C + eps);
         }
         T* xn = x + n * C;
         for (int64_t c = 0; c < C; c++) xn[c] = 0;
@@ -42,14 +42,14 @@ static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, cons
             const T* ut = u.data() + t * C;
             T* at = a + t * R * N;
             T* st = sc + t * R * N;
-            // s_r = (k_r . u) / rho_r
+            // s_r = (k_r . u) / rms_r
             T m = -INFINITY;
             for (int64_t r = 0; r < R; r++) {
                 const T* k = cand[ks[t] * R + r] + n * C;
                 T dot = 0;
                 #pragma omp simd reduction(+:dot)
                 for (int64_t c = 0; c < C; c++) dot += k[c] * ut[c];
-                st[r * N + n] = dot / rho[(ks[t] * R + r) * N + n];
+                st[r * N + n] = dot / rms[(ks[t] * R + r) * N + n];
                 m = st[r * N + n] > m ? st[r * N + n] : m;
             }
             // a = softmax_r(s)
@@ -77,7 +77,7 @@ template <typename T>
 static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* dx,
                      const T* const* cand, const T* g, const T* const* w, const int64_t* ks,
                      const int64_t* vs, const T* const* gate, T scale, const T* a, const T* sc,
-                     const T* rho, T* const* gout, const T* const* gin, T* dw, T* dg, T* dgate,
+                     const T* rms, T* const* gout, const T* const* gin, T* dw, T* dg, T* dgate,
                      int threads) {
     const std::vector<T> u = queries(Tn, C, g, w);
     std::vector<T> du_t(threads * Tn * C, T(0)), dgate_t(threads * Tn, T(0));
@@ -86,7 +86,7 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
         const int th = omp_get_thread_num();
         T* du_l = du_t.data() + th * Tn * C;
         T* dgate_l = dgate_t.data() + th * Tn;
-        // per target and candidate: c = ds / rho, kk = -c s / (C rho), w = gate a
+        // per target and candidate: c = ds / rms, kk = -c s / (C rms), w = gate a
         std::vector<T> cr(Tn * R), kk(Tn * R), w(Tn * R);
         #pragma omp for
         for (int64_t n = 0; n < N; n++) {
@@ -106,8 +106,8 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
                     sum_ad += at[r * N + n] * gt * q;
                 }
                 for (int64_t r = 0; r < R; r++) {
-                    // ds_r = a_r (da_r - sum_p a_p da_p) ; c_r = ds_r / rho_r
-                    const T rh = rho[(ks[t] * R + r) * N + n];
+                    // ds_r = a_r (da_r - sum_p a_p da_p) ; c_r = ds_r / rms_r
+                    const T rh = rms[(ks[t] * R + r) * N + n];
                     const T c = at[r * N + n] * (cr[t * R + r] - sum_ad) / rh;
                     cr[t * R + r] = c;
                     kk[t * R + r] = -c * sc[t * R * N + r * N + n] / (C * rh);
@@ -116,7 +116,7 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
             }
             for (int64_t s = 0; s < S; s++) {
                 for (int64_t r = 0; r < R; r++) {
-                    // dk_r = c_r (u - s_r k_r / (C rho_r)) for the targets keyed here ; dv_r = gate a_r dx
+                    // dk_r = c_r (u - s_r k_r / (C rms_r)) for the targets keyed here ; dv_r = gate a_r dx
                     const T* k = cand[s * R + r] + n * C;
                     const T* in = gin[s * R + r] ? gin[s * R + r] + n * C : nullptr;
                     T* out = gout[s * R + r] + n * C;
@@ -252,18 +252,18 @@ static void write_backward(int64_t N, int64_t C, const T* P0, const T* P1, const
     extern "C" void forward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,         \
                                    const T* const* cand, const T* g, const T* const* w,            \
                                    const int64_t* ks, const int64_t* vs, const T* const* gate,     \
-                                   double scale, double eps, T* x, T* a, T* sc, T* rho,            \
+                                   double scale, double eps, T* x, T* a, T* sc, T* rms,            \
                                    int threads) {                                                  \
-        forward<T>(S, R, Tn, N, C, cand, g, w, ks, vs, gate, T(scale), T(eps), x, a, sc, rho,      \
+        forward<T>(S, R, Tn, N, C, cand, g, w, ks, vs, gate, T(scale), T(eps), x, a, sc, rms,      \
                    threads);                                                                       \
     }                                                                                              \
     extern "C" void backward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,        \
                                     const T* dx, const T* const* cand, const T* g,                 \
                                     const T* const* w, const int64_t* ks, const int64_t* vs,       \
                                     const T* const* gate, double scale, const T* a, const T* sc,   \
-                                    const T* rho, T* const* gout, const T* const* gin, T* dw,      \
+                                    const T* rms, T* const* gout, const T* const* gin, T* dw,      \
                                     T* dg, T* dgate, int threads) {                                \
-        backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, T(scale), a, sc, rho, gout, gin, \
+        backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, T(scale), a, sc, rms, gout, gin, \
                     dw, dg, dgate, threads);                                                       \
     }                                                                                              \
     extern "C" void write_forward_##name(int64_t N, int64_t C, const T* P0, const T* P1,           \

@@ -12,12 +12,12 @@ values and gradients (test_model.py compares them in fp64), the read built so th
 
 Target t reads the keys k_r of one stream and the values v_r of one (the same or another), with
 its pseudo-query w_t, the key-norm weight g (u_t = g * w_t) and a gate gate_t (1 if none):
-    rho_r = sqrt(mean(k_r^2) + eps) ;  s_r = (k_r . u_t) / rho_r ;  a = softmax_r(s)
-    x = sum_t gate_t h_t ,  h_t = sum_r a_r v_r
-Its backward, from dx, with q_r = dx . v_r (per target):
+    rms_r = sqrt(mean(k_r^2) + eps) ;  s_r = (k_r . u_t) / rms_r ;  a = softmax_r(s)
+    x = scale sum_t gate_t h_t ,  h_t = sum_r a_r v_r      (scale: model.py's |C|)
+Its backward, from dx (times scale), with q_r = dx . v_r (per target):
     dv_r = gate_t a_r dx ;  dgate_t = sum_r a_r q_r
-    c_r = ds_r / rho_r ,  ds_r = a_r (da_r - sum_p a_p da_p) ,  da_r = gate_t q_r
-    dk_r = c_r (u_t - s_r k_r / (C rho_r))      (the second term: the gradient through rho_r)
+    c_r = ds_r / rms_r ,  ds_r = a_r (da_r - sum_p a_p da_p) ,  da_r = gate_t q_r
+    dk_r = c_r (u_t - s_r k_r / (C rms_r))      (the second term: the gradient through rms_r)
     du_t = sum_r c_r k_r ;  dw_t = du_t * g ;  dg = sum_t du_t * w_t
 summed over the targets that read a candidate as a key or as a value.
 
@@ -140,7 +140,7 @@ if triton is not None:
     TABLES = ['cand', 'ks', 'vs', 'gin', 'gout']
 
     @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=TABLES[:3])
-    def _read_fwd(cand, u, ks, vs, gt, x, sc, rho, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
+    def _read_fwd(cand, u, ks, vs, gt, x, sc, rms, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
                   BC: tl.constexpr, DT: tl.constexpr):
         N = N.to(tl.int64) # (offsets past 2**31 at scale)
         n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
@@ -158,11 +158,11 @@ if triton is not None:
             h = tl.zeros([BN, BC], dtype=DT)
             for r in range(R):
                 k = _tile(cand, kt * R + r, offs, mask, DT)
-                # rho_r = sqrt(mean(k_r^2) + eps) (kept for backward: the key streams' only) ;
-                # s_r = (k_r . u) / rho_r
-                rho_r = tl.sqrt(tl.sum(k * k, 1) / C + eps)
-                tl.store(rho + (kt * R + r) * N + n, rho_r, mask=rows)
-                s = tl.sum(k * ut[None, :], 1) / rho_r
+                # rms_r = sqrt(mean(k_r^2) + eps) (kept for backward: the key streams' only) ;
+                # s_r = (k_r . u) / rms_r
+                rms_r = tl.sqrt(tl.sum(k * k, 1) / C + eps)
+                tl.store(rms + (kt * R + r) * N + n, rms_r, mask=rows)
+                s = tl.sum(k * ut[None, :], 1) / rms_r
                 tl.store(sc + (t * R + r) * N + n, s, mask=rows)
                 m_new = tl.maximum(m, s)
                 z = z * tl.exp(m - m_new) + tl.exp(s - m_new)
@@ -173,17 +173,17 @@ if triton is not None:
         tl.store(x + offs, xn, mask=mask)
 
     @triton.jit
-    def _coefficients(t, r, kt, gt_t, sa_t, a, q, sc, rho, n, rows, N, C, R):
-        """Of target t and candidate r: c_r = a_r gate (q_r - sum_p a_p q_p) / rho_r, the key part's
-        -c_r s_r / (C rho_r), and the value part's gate a_r."""
+    def _coefficients(t, r, kt, gt_t, sa_t, a, q, sc, rms, n, rows, N, C, R):
+        """Of target t and candidate r: c_r = a_r gate (q_r - sum_p a_p q_p) / rms_r, the key part's
+        -c_r s_r / (C rms_r), and the value part's gate a_r."""
         i = (t * R + r) * N + n
         ar = tl.load(a + i, mask=rows, other=0.0)
-        rh = tl.load(rho + (kt * R + r) * N + n, mask=rows, other=1.0)
+        rh = tl.load(rms + (kt * R + r) * N + n, mask=rows, other=1.0)
         cr = ar * gt_t * (tl.load(q + i, mask=rows, other=0.0) - sa_t) / rh
         return cr, -cr * tl.load(sc + i, mask=rows, other=0.0) / (C * rh), gt_t * ar
 
     @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=TABLES)
-    def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rho, gin, gout, q, sa, du, dgate, N, C, R, S,
+    def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rms, gin, gout, q, sa, du, dgate, N, C, R, S,
                   TN: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
         # a fixed number of programs, each over every num_programs-th block of BN tokens: du and
         # dgate summed in registers, one partial per program
@@ -225,13 +225,13 @@ if triton is not None:
                 s, r = i // R, i % R
                 k = _tile(cand, i, offs, mask, DT)
                 out = _tile(gin, i, offs, mask, DT)
-                cr, kk, w = _coefficients(0, r, k0, g0, sa0, a, q, sc, rho, n, rows, N, C, R)
+                cr, kk, w = _coefficients(0, r, k0, g0, sa0, a, q, sc, rms, n, rows, N, C, R)
                 key, value = (k0 == s).to(DT), (v0 == s).to(DT)
-                # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate a_r dx ; du_t += c_r k_r
+                # dk_r = c_r (u - s_r k_r / (C rms_r)) ; dv_r = gate a_r dx ; du_t += c_r k_r
                 out += key * (kk[:, None] * k + cr[:, None] * u0[None, :]) + value * w[:, None] * d
                 du0 += key * tl.sum(cr[:, None] * k, 0)
                 if TN == 2:
-                    cr, kk, w = _coefficients(1, r, k1, g1, sa1, a, q, sc, rho, n, rows, N, C, R)
+                    cr, kk, w = _coefficients(1, r, k1, g1, sa1, a, q, sc, rms, n, rows, N, C, R)
                     key, value = (k1 == s).to(DT), (v1 == s).to(DT)
                     out += key * (kk[:, None] * k + cr[:, None] * u1[None, :]) + value * w[:, None] * d
                     du1 += key * tl.sum(cr[:, None] * k, 0)
@@ -363,15 +363,15 @@ def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
     N, C = cand[0].numel() // cand[0].size(-1), cand[0].size(-1)
     x = torch.empty(cand[0].shape, dtype=dtype, device=cand[0].device)
     # the kernel takes the rms of the streams read as keys (backward's): the others' stay 0
-    s, rho = x.new_empty((Tn, R, N)), x.new_empty((S, R, N)) if set(routes[0::2]) == set(range(S)) else x.new_zeros((S, R, N))
+    s, rms = x.new_empty((Tn, R, N)), x.new_empty((S, R, N)) if set(routes[0::2]) == set(range(S)) else x.new_zeros((S, R, N))
     addrs, ks, vs = tables(x.device, cand, routes[0::2], routes[1::2])
     BN, BC = blocks(C, READ_FWD_TILE)
-    launch(_read_fwd, triton.cdiv(N, BN), (addrs, u, ks, vs, gt, x, s, rho, N, C, R, S, eps), x.device,
+    launch(_read_fwd, triton.cdiv(N, BN), (addrs, u, ks, vs, gt, x, s, rms, N, C, R, S, eps), x.device,
            TN=Tn, BN=BN, BC=BC, DT=compute_type(dtype))
     shape = (R, *cand[0].shape[:-1])
-    return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rho.view(S, *shape)
+    return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rms.view(S, *shape)
 
-def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale):
+def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rms, gin, gout, scale):
     """dw (T, C), dg and dgate (T,); the candidates' gradients written to gout (in place: gin)."""
     S, Tn = len(cand) // R, len(ws)
     dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
@@ -384,7 +384,7 @@ def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout
     du, dgate = a.new_empty((grid, Tn, C), dtype=dtype), a.new_empty((grid, Tn), dtype=dtype)
     # (the tensors behind the addresses held by their names here until the kernel is queued)
     addrs, ks, vs, gin_addrs, gout_addrs = tables(device, cand, routes[0::2], routes[1::2], gin, gout)
-    args = (dx.contiguous(), addrs, u, ks, vs, gt, a.contiguous(), s.contiguous(), rho.contiguous(), gin_addrs, gout_addrs,
+    args = (dx.contiguous(), addrs, u, ks, vs, gt, a.contiguous(), s.contiguous(), rms.contiguous(), gin_addrs, gout_addrs,
             q, sa, du, dgate, N, C, R, S)
     launch(_read_bwd, grid, args, device, TN=Tn, BN=BN, BC=BC, DT=compute_type(dtype))
     # dw_t = du_t * g ; dg = sum_t du_t * w_t ; dgate_t = scale sum_r a_r q_r
@@ -424,7 +424,7 @@ def write_backward_triton(P, y, beta, rho, d0, d1):
 # g and the gate gates[t] (no gates: 1).
 
 def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
-    """x = scale sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the rms rho (S, R, B, T)."""
+    """x = scale sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the keys' rms (S, R, B, T)."""
     S, Tn, dtype = len(cand) // R, len(ws), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     if on_triton(cand + ws + gates + [g]):
@@ -436,12 +436,12 @@ def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
         cand, ws, g = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous()
         x = torch.empty_like(cand[0])
         a, s = (cand[0].new_empty((Tn, R, *cand[0].shape[:-1])) for _ in range(2))
-        rho = cand[0].new_empty((S, R, *cand[0].shape[:-1]))
+        rms = cand[0].new_empty((S, R, *cand[0].shape[:-1]))
         fn = library().forward_double if dtype == torch.float64 else library().forward_float
         fn(*map(ctypes.c_int64, (S, R, Tn, x.numel() // x.size(-1), x.size(-1))), ptrs(cand), ptr(g), ptrs(ws),
            int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ctypes.c_double(eps),
-           ptr(x), ptr(a), ptr(s), ptr(rho), ctypes.c_int(torch.get_num_threads()))
-        return x, a, s, rho
+           ptr(x), ptr(a), ptr(s), ptr(rms), ctypes.c_int(torch.get_num_threads()))
+        return x, a, s, rms
     return read_torch(ws, g, cand, R, routes, gates, eps, scale)
 
 def read_torch(ws, g, cand, R, routes, gates, eps, scale=1.0):
@@ -450,21 +450,21 @@ def read_torch(ws, g, cand, R, routes, gates, eps, scale=1.0):
     ks, vs = routes[0::2], routes[1::2]
     with torch.autocast(g.device.type, enabled=False): # the caller's autocast would reach in here
         u = [fp32(g) * fp32(w) for w in ws]
-        # rho_r = sqrt(mean(k_r^2) + eps), fp32
-        rho = torch.stack([torch.sqrt(fp32(k).pow(2).mean(-1) + eps) for k in cand]).unflatten(0, (S, R))
+        # rms_r = sqrt(mean(k_r^2) + eps), fp32
+        rms = torch.stack([torch.sqrt(fp32(k).pow(2).mean(-1) + eps) for k in cand]).unflatten(0, (S, R))
         a, s, x = [], [], 0
         for t in range(Tn):
-            # s_r = (k_r . u) / rho_r
+            # s_r = (k_r . u) / rms_r
             keys, values = cand[ks[t] * R:(ks[t] + 1) * R], cand[vs[t] * R:(vs[t] + 1) * R]
-            s.append(torch.stack([(fp32(k) * u[t]).sum(-1) for k in keys]) / rho[ks[t]])
+            s.append(torch.stack([(fp32(k) * u[t]).sum(-1) for k in keys]) / rms[ks[t]])
             # a = softmax_r(s)
             a.append(s[-1].softmax(0))
             # x += gate_t sum_r a_r v_r
             weights = a[-1] if not gates else a[-1] * gates[t]
             x = x + sum(wr.unsqueeze(-1) * v for wr, v in zip(weights, values))
-    return scale * x, torch.stack(a), torch.stack(s), rho
+    return scale * x, torch.stack(a), torch.stack(s), rms
 
-def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, in_place=False):
+def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale=1.0, in_place=False):
     """From dx and the incoming gradients dS of the S handles (n, B, T, C; n = R or R - 1): the
     gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
     last candidate is a partial (n = R - 1), the partials' gradients. x = scale * (the sum): the
@@ -479,18 +479,18 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, i
     gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
     gin = [t for j in range(S) for t in [*dS[j].unbind(0), None][:R]]
     if on_triton(cand + ws + gates + [g, dx]) and all(t.dtype == triton_dtype(cand) for t in gout):
-        out = by_triton(read_backward_triton, g.device.type, dx, ws, g, cand, R, routes, gates, a, s, rho, gin, gout, scale)
+        out = by_triton(read_backward_triton, g.device.type, dx, ws, g, cand, R, routes, gates, a, s, rms, gin, gout, scale)
         if out is not None:
             return *out, gS, dP
     if on_kernel(cand + ws + gates + [g, dx] + dS): # (all of one dtype: so are dw, dg and dgate)
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
-        gin, a, s, rho = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rho.contiguous()
+        gin, a, s, rms = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rms.contiguous()
         dw, dg, dgate = cand[0].new_empty((Tn, g.size(-1))), g.new_empty(g.shape), cand[0].new_empty(Tn)
         fn = library().backward_double if dtype == torch.float64 else library().backward_float
         fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptr(g),
            ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ptr(a), ptr(s),
-           ptr(rho), ptrs(gout), ptrs(gin), ptr(dw), ptr(dg), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
+           ptr(rms), ptrs(gout), ptrs(gin), ptr(dw), ptr(dg), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
         return list(dw.unbind(0)), dg, list(dgate.unbind(0)) if gates else [], gS, dP
     with torch.autocast(g.device.type, enabled=False):
         u = [fp32(g) * fp32(w) for w in ws]
@@ -504,13 +504,13 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale=1.0, i
             q = torch.stack([torch.linalg.vecdot(dx, fp32(v)) for v in values])
             dgate.append((a[t] * q).sum())
             da = gate * q
-            # c_r = a_r (da_r - sum_p a_p da_p) / rho_r
-            c = a[t] * (da - (a[t] * da).sum(0)) / rho[ks[t]]
+            # c_r = a_r (da_r - sum_p a_p da_p) / rms_r
+            c = a[t] * (da - (a[t] * da).sum(0)) / rms[ks[t]]
             du.append(sum(cr.flatten() @ fp32(k).flatten(0, -2) for cr, k in zip(c, keys)))
             for r in range(R):
-                # dk_r = c_r (u - s_r k_r / (C rho_r)) ; dv_r = gate_t a_r dx
+                # dk_r = c_r (u - s_r k_r / (C rms_r)) ; dv_r = gate_t a_r dx
                 k = fp32(keys[r])
-                dk = c[r].unsqueeze(-1) * (u[t] - (s[t, r] / (k.size(-1) * rho[ks[t], r])).unsqueeze(-1) * k)
+                dk = c[r].unsqueeze(-1) * (u[t] - (s[t, r] / (k.size(-1) * rms[ks[t], r])).unsqueeze(-1) * k)
                 grads[ks[t] * R + r] = grads[ks[t] * R + r] + dk
                 grads[vs[t] * R + r] = grads[vs[t] * R + r] + (gate * a[t, r]).unsqueeze(-1) * dx
         for out, grad in zip(gout, grads):
@@ -538,19 +538,19 @@ class DepthRead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, R, routes, eps, scale, counts, *tensors):
         ws, gates, handles, partials, cand = split(tensors, counts)
-        x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps, scale)
-        ctx.save_for_backward(g, a, s, rho, *ws, *gates, *cand)
-        ctx.mark_non_differentiable(a, s, rho)
+        x, a, s, rms = read_forward(ws, g, cand, R, routes, gates, eps, scale)
+        ctx.save_for_backward(g, a, s, rms, *ws, *gates, *cand)
+        ctx.mark_non_differentiable(a, s, rms)
         ctx.R, ctx.routes, ctx.counts, ctx.scale = R, routes, counts, scale
-        return x, a, s, rho, *[passed_on(S) for S in handles]
+        return x, a, s, rms, *[passed_on(S) for S in handles]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dx, da, ds, drho, *dS):
-        g, a, s, rho, *rest = ctx.saved_tensors
+    def backward(ctx, dx, da, ds, drms, *dS):
+        g, a, s, rms, *rest = ctx.saved_tensors
         Tn, nG, S, nP, nC = ctx.counts
         ws, gates, cand = split(rest, (Tn, nG, nC))
-        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(dS), ctx.scale,
+        dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rms, list(dS), ctx.scale,
                                                    in_place=True)
         return dg, None, None, None, None, None, *dws, *dgates, *gS, *dP, *[None] * nC
 
@@ -561,27 +561,27 @@ class DepthRead(torch.autograd.Function):
 def _read(ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int, routes: list[int],
           gates: list[torch.Tensor], eps: float, scale: float, handles: list[torch.Tensor],
           partials: list[torch.Tensor]) -> list[torch.Tensor]:
-    x, a, s, rho = read_forward(ws, g, cand, R, routes, gates, eps, scale)
-    return [x, a, s, rho, *[passed_on(S) for S in handles]]
+    x, a, s, rms = read_forward(ws, g, cand, R, routes, gates, eps, scale)
+    return [x, a, s, rms, *[passed_on(S) for S in handles]]
 
 @_read.register_fake
 def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials):
     v = cand[0]
     x = v.new_empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32))
     a, s = (x.new_empty((len(ws), R, *v.shape[:-1])) for _ in range(2))
-    rho = x.new_empty((len(cand) // R, R, *v.shape[:-1]))
-    return [x, a, s, rho, *[passed_on(S) for S in handles]]
+    rms = x.new_empty((len(cand) // R, R, *v.shape[:-1]))
+    return [x, a, s, rms, *[passed_on(S) for S in handles]]
 
 @torch.library.custom_op('dar::fused_read_backward', mutates_args=())
 def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int,
-                   routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rho: torch.Tensor,
+                   routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rms: torch.Tensor,
                    dS: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
-    dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale)
+    dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale)
     # (a custom operation's outputs are tensors of their own: the kernel's rows are views)
     return [*[t.clone() for t in dws], dg, *[t.clone() for t in dgates], *gS, *dP]
 
 @_read_backward.register_fake
-def _(dx, ws, g, cand, R, routes, gates, a, s, rho, dS, scale):
+def _(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale):
     partial = [torch.empty_like(cand[0]) for _ in dS] if dS[0].size(0) < R else []
     return ([torch.empty_like(w) for w in ws] + [torch.empty_like(g)] + [torch.empty_like(t) for t in gates]
             + [torch.empty_like(d) for d in dS] + partial)
@@ -593,10 +593,10 @@ def _setup_context(ctx, inputs, output):
     ctx.R, ctx.routes, ctx.counts, ctx.scale = R, routes, (len(ws), len(gates), len(handles), len(partials), len(cand)), scale
 
 def _backward(ctx, grads):
-    g, a, s, rho, *rest = ctx.saved_tensors
+    g, a, s, rms, *rest = ctx.saved_tensors
     Tn, nG, S, nP, nC = ctx.counts
     ws, gates, cand = split(rest, (Tn, nG, nC))
-    out = _read_backward(grads[0], ws, g, cand, ctx.R, ctx.routes, gates, a, s, rho, list(grads[4:]), ctx.scale)
+    out = _read_backward(grads[0], ws, g, cand, ctx.R, ctx.routes, gates, a, s, rms, list(grads[4:]), ctx.scale)
     dws, dg, dgates, gS, dP = split(out, (Tn, 1, nG, S, nP))
     # the candidates get no gradient as data: it runs through the handles and partials
     return dws, dg[0], [None] * nC, None, None, dgates, None, None, gS, dP

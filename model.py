@@ -43,7 +43,7 @@ class GPTConfig:
         checks = [
             (r in RESIDUALS, f"residual={r} is not one of {', '.join(RESIDUALS)}"),
             (routing in ROUTES, f"dar_routing={routing} is not one of {', '.join(ROUTES)}"),
-            (self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"),
+            (self.n_head >= 1 and self.n_embd % self.n_head == 0, f"n_embd={self.n_embd} is not a multiple of n_head={self.n_head}"),
             (db >= 1, f"depth_block={db} must be >= 1"),
             (db <= L, f"depth_block={db} exceeds the 2*n_layer={L} sublayers"),
             (depth or db == 1, f"depth_block={db} needs residual=attnres or dar"),
@@ -129,8 +129,8 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float()) # (B*T, E)
         probs = logits.softmax(-1)
         gate, expert = probs.topk(k, dim=-1) # (B*T, k)
-        # gate_i = p_i / sum_{top-k} p
-        gate = gate / gate.sum(-1, keepdim=True)
+        # gate_i = p_i / sum_{top-k} p; top-1: p_i, as Switch (renormalised, 1: no router gradient)
+        gate = gate / gate.sum(-1, keepdim=True) if k > 1 else gate
         # slot s = token * k + choice, one per (token, chosen expert): its expert slot_expert[s]
         slot_expert = expert.view(-1) # (B*T*k,)
         order = slot_expert.argsort(stable=True) # the slots, sorted: each expert's rows contiguous
@@ -139,8 +139,8 @@ class MoE(nn.Module):
         ys = self.experts(x[token], counts, slot_expert[order]) # expert(x_token) per sorted slot
         # y_token = sum_{i in top-k} gate_i expert_i(x_token): each slot added into its token's row
         weighted = ys * gate.view(-1)[order].unsqueeze(-1).to(ys.dtype)
-        y = torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, weighted)
-        if self.shared is not None:
+        y = self.dropout(x.new_zeros(x.shape, dtype=ys.dtype).index_add_(0, token, weighted))
+        if self.shared is not None: # its MLP drops out on its own: every expert's output once
             y = y + self.shared(x)
         # load balance = E * sum_e f_e p_e: f_e share of the slots routed to e, p_e mean router prob
         f = counts.float() / counts.sum()
@@ -148,7 +148,7 @@ class MoE(nn.Module):
         # z-loss = mean over tokens of logsumexp(router logits)^2
         z = torch.logsumexp(logits, -1).pow(2).mean()
         self.stats = dict(balance=balance, z=z, load=f.detach())
-        return self.dropout(y.view(B, T, C))
+        return y.view(B, T, C)
 
     def experts(self, xs, counts, which):
         """expert_i(x) of the rows xs (M, C), grouped by expert, which (M,) gives each row's. bf16:
@@ -179,7 +179,7 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
-        # res: the path (config.residual), s its state; l = self.l = 2i, 2i + 1; Norm_l = ln_1, ln_2
+        # res = RESIDUALS[config.residual] (e.g. DAR.read, .write), s its state; Norm_l = ln_1, ln_2
         # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
@@ -293,8 +293,8 @@ class MHC(nn.Module):
             post = 2 * torch.sigmoid(self.scale[l, 1] * z[..., n:2 * n] + self.b_post[l])
             # M = Sinkhorn(s_res * xf @ W_res + B_res)
             M = sinkhorn(self.scale[l, 2] * z[..., 2 * n:].unflatten(-1, (n, n)) + self.B_res[l])
-        # X_i <- sum_k M_ik X_k + post_i * y
-        return M @ X + post.unsqueeze(-1) * y.unsqueeze(2)
+            # X_i <- sum_k M_ik X_k + post_i * y, in fp32 (autocast's bf16 would round the streams)
+            return M @ X + post.unsqueeze(-1) * y.unsqueeze(2)
 
 # depth attention, shared by AttnRes and DAR
 def depth_read(queries, g, keys, values, gates, scale):
@@ -325,9 +325,8 @@ def dar_write(P, y, beta, rho):
     return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
 
 class DepthState:
-    """What AttnRes and DAR carry, per stream j: the committed history H^j, the partial block P^j
-    (None: P^j = 0), and handle[j], the path of H^j's gradient: no data, each read's backward adds
-    its part for every entry of H^j to it in one pass (depth_op.py)."""
+    """What AttnRes and DAR carry, per stream j: the history H^j, the partial block P^j (None: 0),
+    and handle[j], no data: each read's backward adds H^j's gradient to it at once (depth_op.py)"""
 
     def __init__(self, e, streams, include_partial):
         self.include_partial = include_partial
@@ -429,12 +428,12 @@ class DAR(nn.Module):
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r, w^j_l = s.w[l][j]
         # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), gates s.fusion[l] = (alpha_l, 1 - alpha_l)
-        # [R, not in equations.md] times |C|, the number of candidates: a zero-init read is h_{l-1},
-        # not h_{l-1}/|C|; Norm_l ignores the scale but for its eps, which would damp h_{l-1}/|C|
+        # [R, not in equations.md] times |C|: a zero-init read sums the entries (the streams' mean)
+        # instead of averaging them; Norm_l ignores the scale but for its eps, which damps a mean
         # s.read: depth_read as one operation; test_depth_op_equals_the_readable_reads_in_fp64 runs
         # the model on depth_read and dar_write instead (loss, every gradient, fp64; K = 2 included)
         x, weights = s.read(C, s.w[l], s.g[l], keys=keys, values=values, gates=s.fusion[l], scale=len(C[0]))
-        return x
+        return x # (the weights a^j_r are analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
         """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
@@ -456,7 +455,7 @@ class DAR(nn.Module):
         s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # beta_l (2, C), rho_l: begin's rows
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
-            s.commit() # H^j.append(P^j) ; P^j = 0 (P = None)
+            s.commit() # H^j.append(P^j) ; P^j = 0 (P = None); the handles carry no values
         return s
 
 RESIDUALS = dict(standard=Standard, attnres=AttnRes, mhc=MHC, dar=DAR) # residual= picks one
@@ -537,24 +536,25 @@ class GPT(nn.Module):
     def from_checkpoint(cls, checkpoint, **change):
         """A model from a checkpoint dict, ours or nanoGPT's (of a compiled model too), its args
         changed by change: a standard one upcycled to attnres or dar keeps its first forward."""
-        # old checkpoints' two_phase (speed) is gone; a compiled model's names carry '_orig_mod.'
+        # dropped: two_phase (speed), nanoGPT's causal mask (torch < 2); a compiled model's prefix
         args = {k: v for k, v in checkpoint['model_args'].items() if k != 'two_phase'}
         model = cls(GPTConfig(**{**args, **change}))
-        weights = {k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items()}
-        model.load_state_dict(weights, strict=not change) # upcycled: the path's keep their init
-        if change.get('residual') == 'dar':
+        weights = {k.removeprefix('_orig_mod.'): v for k, v in checkpoint['model'].items() if not k.endswith('.attn.bias')}
+        upcycled = 'residual' in change and change['residual'] != args.get('residual', 'standard')
+        model.load_state_dict(weights, strict=not upcycled) # upcycled: the path's keep their init
+        if upcycled and change['residual'] == 'dar':
             # [R] b^0_l = -b^1_l: beta^0 + beta^1 = 2, so the streams' mean is the standard residual
             model.transformer.res.beta_logit.data[:, 0] = -model.transformer.res.beta_logit.data[:, 1]
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        # 2D weights of the branches and embeddings decay; biases, norms and the residual path's
-        # parameters don't: decay would pull gates to 0.5 and queries to uniform reads
+        # weights of the branches (MoE's c_fc, c_proj) and embeddings decay; biases (MoE's are 2D),
+        # norms and the residual path's don't: decay would pull gates to 0.5, queries to uniform
         params = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
-        decay_params = [p for n, p in params.items() if p.dim() >= 2 and not n.startswith('transformer.res.')]
-        nodecay_params = [p for n, p in params.items() if p.dim() < 2 or n.startswith('transformer.res.')]
-        optim_groups = [{'params': decay_params, 'weight_decay': weight_decay},
-                        {'params': nodecay_params, 'weight_decay': 0.0}]
+        decays = lambda n, p: p.dim() >= 2 and n.endswith(('weight', 'c_fc', 'c_proj'))
+        decay_params = [p for n, p in params.items() if decays(n, p)]
+        nodecay_params = [p for n, p in params.items() if not decays(n, p)]
+        optim_groups = [{'params': decay_params, 'weight_decay': weight_decay}, {'params': nodecay_params, 'weight_decay': 0.0}]
         for name, group in (('decayed', decay_params), ('non-decayed', nodecay_params)):
             print(f"num {name} parameter tensors: {len(group)}, with {sum(p.numel() for p in group):,} parameters")
         use_fused = device_type in ('cuda', 'cpu') # one kernel: 0.6 ms vs 2.3 foreach, 2 CPU cores
@@ -563,11 +563,11 @@ class GPT(nn.Module):
         return optimizer
 
     def estimate_mfu(self, fwdbwd_per_iter, dt):
-        """Model flops utilization against the bf16 dense peak of this GPU (PaLM Appendix B flops;
-        the depth reads are not counted). None if the peak is unknown."""
+        """Model flops utilization against this GPU's bf16 dense peak (PaLM's flops, no depth read),
+        found by a word of its name ('A100-SXM4' has A100, 'L40S' has no L4); else None."""
         peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12} # bf16 dense
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
-        peak = next((v for k, v in peaks.items() if k in name), None)
+        peak = next((v for k, v in peaks.items() if k in name.replace('-', ' ').split()), None)
         if peak is None:
             return None
         n_params, cfg = self.get_num_params(active=True), self.config

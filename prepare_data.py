@@ -146,12 +146,12 @@ def get_batch(shards, ix, block_size, device):
 
 def pieces(text):
     """The text in pieces of about CHUNK characters, with a tqdm bar when it is large. Each cut
-    falls after a newline that a non-space follows, where GPT-2's BPE never merges across, so
-    the tokens of the pieces equal the tokens of the whole text."""
+    falls after a newline between two non-spaces, where GPT-2's BPE never merges across (its
+    whitespace runs would: '\n\n' is one token), so the pieces' tokens are the whole text's."""
     cuts = [0]
     while cuts[-1] < len(text):
         cut = text.find('\n', cuts[-1] + CHUNK)
-        while cut != -1 and text[cut + 1:cut + 2].isspace():
+        while cut != -1 and (text[cut + 1:cut + 2].isspace() or text[cut - 1:cut].isspace()):
             cut = text.find('\n', cut + 1)
         cuts.append(len(text) if cut == -1 else cut + 1)
     bar = tqdm(total=len(text), desc='tokenising', unit='char', unit_scale=True, disable=len(cuts) < 5)
@@ -175,11 +175,13 @@ HF_CORPORA = { # name: (Hugging Face dataset, configuration)
     'openwebtext': ('Skylion007/openwebtext', None),
 }
 
+class BadInput(Exception):
+    """Bad input met while the pool's task thread reads the documents (there fail() would end only
+    that thread, and the run would hang): the pool raises it again in the main process."""
+
 def documents(name, path):
     """The documents of a large corpus, one string each, streamed."""
     if name == 'docs':
-        if not path:
-            fail("docs needs --input=FILE: JSON lines with one document per line in \"text\"")
         try:
             with open(path, encoding='utf-8') as f:
                 for n, line in enumerate(f, 1):
@@ -187,14 +189,14 @@ def documents(name, path):
                         try:
                             yield json.loads(line)['text']
                         except (ValueError, KeyError, TypeError):
-                            fail(f"--input {path}, line {n}: not a JSON object with a \"text\" field")
+                            raise BadInput(f"--input {path}, line {n}: not a JSON object with a \"text\" field")
         except OSError as e:
-            fail(f"--input {path}: {e.strerror}")
+            raise BadInput(f"--input {path}: {e.strerror}")
         return
     try:
         import datasets
     except ImportError:
-        fail(f"{name} needs Hugging Face datasets: pip install datasets")
+        raise BadInput(f"{name} needs Hugging Face datasets: pip install datasets")
     repo, config = HF_CORPORA[name]
     for doc in datasets.load_dataset(repo, name=config, split='train', streaming=True):
         yield doc['text']
@@ -212,6 +214,7 @@ def tokenize_document(text):
 def write_shards(docs, out, gpt2_dir, shard_tokens, num_proc):
     """Tokenise docs in num_proc processes into shards of shard_tokens tokens: the first is val,
     the rest train. Returns the number of tokens written."""
+    remove_shards(out) # an earlier run's: not of this corpus
     shard, fill, index, total = np.empty(shard_tokens, dtype=np.uint16), 0, 0, 0
     def flush(n):
         nonlocal index
@@ -233,6 +236,10 @@ def write_shards(docs, out, gpt2_dir, shard_tokens, num_proc):
         fail(f"only {total:,} tokens: less than one val shard plus one train shard of --shard_tokens={shard_tokens:,}")
     return total
 
+def remove_shards(out):
+    for path in glob.glob(os.path.join(out, '*.bin')):
+        os.remove(path)
+
 def split_text(text):
     n = len(text)
     return text[:int(n * 0.9)], text[int(n * 0.9):]
@@ -249,10 +256,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.dataset in ('docs', *HF_CORPORA):
+        if args.dataset == 'docs' and not args.input:
+            fail("docs needs --input=FILE: JSON lines with one document per line in \"text\"")
         out = os.path.join(args.data_dir, args.dataset)
         os.makedirs(out, exist_ok=True)
         gpt2_encoding(args.gpt2_dir) # fail here, once, if the vocabulary is missing
-        total = write_shards(documents(args.dataset, args.input), out, args.gpt2_dir, args.shard_tokens, args.num_proc)
+        try:
+            total = write_shards(documents(args.dataset, args.input), out, args.gpt2_dir, args.shard_tokens, args.num_proc)
+        except BadInput as e:
+            remove_shards(out) # a corpus cut short: none of it is kept
+            fail(str(e))
         print(f"wrote {total:,} tokens to {out}/{{val,train}}_*.bin")
         return
 

@@ -56,9 +56,13 @@ def codec(checkpoint, gpt2_dir):
                 fail(f"the prompt has characters outside the vocabulary of {meta_path}: {''.join(unknown)!r}")
             return [stoi[c] for c in s]
         return encode, lambda l: ''.join([itos[i] for i in l])
+    vocab_size = checkpoint['model_args']['vocab_size']
+    if vocab_size < 50257: # a character-level model: its meta.pkl is relative to where train.py ran
+        fail(f"no {meta_path} for this model's vocabulary of {vocab_size}: run sample.py where train.py ran")
     print("No meta.pkl found, assuming GPT-2 encodings...")
     enc = gpt2_encoding(gpt2_dir or None)
-    return lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}), lambda l: enc.decode(l)
+    # ids from 50257 up to vocab_size pad the vocabulary (50304): no tokens, dropped if sampled
+    return lambda s: enc.encode(s, allowed_special={"<|endoftext|>"}), lambda l: enc.decode([i for i in l if i < enc.n_vocab])
 
 def main(argv):
     cfg, _ = configure(DEFAULTS, argv, nullable=('top_k',))

@@ -37,6 +37,7 @@ import train
 import sample
 import analyze
 from model import MoE, MLP
+from configurator import configure
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(ROOT, '..', 'shared')
@@ -268,6 +269,15 @@ def test_matches_naive_reference(name, include_partial):
         want = (naive_residual if name == 'standard+moe' else NAIVE[model.config.residual])(model, idx)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
+@pytest.mark.parametrize('name', ['attnres-block', 'dar-cross-block'])
+def test_matches_naive_reference_with_train_pys_blocks_of_two(name):
+    """depth_block=2, train.py's: every block whole (PATHS' K = 4 leaves a short last block)."""
+    model = make(name, depth_block=2)
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = full_logits(model, idx), NAIVE[model.config.residual](model, idx)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
 def test_standard_state_dict_names_are_nanogpts():
     model = GPT(tiny(n_layer=1, bias=True))
     names = set(model.state_dict())
@@ -291,6 +301,59 @@ def test_nanogpt_checkpoint_gives_the_same_logits(bias):
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(full_logits(model, idx), naive_standard(src, idx), atol=1e-5, rtol=1e-5)
+
+def test_from_checkpoint_changes_only_what_it_is_asked():
+    """A DAR checkpoint loaded as DAR keeps its gates (the upcycling's b^0 = -b^1 is for a standard
+    one); a change that is no upcycling loads strictly; nanoGPT's saved causal mask is dropped."""
+    torch.manual_seed(0)
+    src = randomize(GPT(tiny(residual='dar', depth_block=2)))
+    ckpt = dict(model_args=vars(src.config), model=src.state_dict())
+    same = GPT.from_checkpoint(ckpt, residual='dar', dropout=0.1)
+    assert torch.equal(same.transformer.res.beta_logit, src.transformer.res.beta_logit)
+    del ckpt['model']['transformer.res.query']
+    with pytest.raises(RuntimeError, match='Missing key'):
+        GPT.from_checkpoint(ckpt, dropout=0.1)
+    std = GPT(tiny())
+    weights = {**std.state_dict(), **{f'transformer.h.{i}.attn.bias': torch.ones(1, 1, 16, 16).tril() for i in range(3)}}
+    loaded = GPT.from_checkpoint(dict(model_args=vars(std.config), model=weights))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), std.state_dict().values()))
+
+def test_weight_decay_takes_the_weights_only():
+    """2D weights decay (the MoE's stacked experts too); biases (the MoE's are 2D), norms and the
+    residual path's parameters do not."""
+    model = GPT(tiny(residual='dar', depth_block=2, bias=True, **MOE))
+    decayed, kept = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), 'cpu').param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decayed['params']}
+    assert {n for n in names.values() if n not in decayed} == {n for n, p in model.named_parameters()
+        if p.dim() < 2 or n.startswith('transformer.res.') or n.endswith(('b_fc', 'b_proj'))}
+    assert 'transformer.h.0.mlp.c_fc' in decayed and 'transformer.h.0.mlp.b_fc' not in decayed
+
+@pytest.mark.parametrize('name, peak', [('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA A100-SXM4-80GB', 312e12),
+                                        ('NVIDIA L4', 121e12), ('NVIDIA L40S', None)])
+def test_mfu_peak_is_found_by_a_word_of_the_gpu_name(name, peak, monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *args: name)
+    model = GPT(tiny())
+    mfu = model.estimate_mfu(1, 1.0)
+    assert (mfu is None) == (peak is None)
+    if peak is not None: # mfu * peak: the flops of one forward-backward per second, whatever the GPU
+        monkeypatch.setattr(torch.cuda, 'get_device_name', lambda *args: 'NVIDIA H200')
+        assert mfu * peak == pytest.approx(model.estimate_mfu(1, 1.0) * 989e12)
+
+def test_mhc_streams_stay_fp32_under_autocast():
+    """X <- M X + post y: under bf16 autocast the stream mix stays in fp32, as the standard
+    residual's add does (autocast's bf16 matmul would round the streams at every sublayer)."""
+    torch.manual_seed(0)
+    res = randomize(GPT(tiny(residual='mhc'))).transformer.res
+    X, y = torch.randn(2, 8, 2, 32), torch.zeros(2, 8, 32)
+    res.reads(X, 0)
+    want = res.write(X, 0, y)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        res.reads(X, 0)
+        got = res.write(X, 0, y)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 # -----------------------------------------------------------------------------
 # invariants of every path
@@ -531,8 +594,8 @@ def test_triton_kernels_compile_for_a_gpu_without_one():
     triton = pytest.importorskip('triton', reason='pip install triton')
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    fwd = ['cand', 'u', 'ks', 'vs', 'gt', 'x', 'sc', 'rho', 'N', 'C', 'R', 'S', 'eps']
-    bwd = ['dx', 'cand', 'u', 'ks', 'vs', 'gt', 'a', 'sc', 'rho', 'gin', 'gout', 'q', 'sa', 'du', 'dgate', 'N', 'C', 'R', 'S']
+    fwd = ['cand', 'u', 'ks', 'vs', 'gt', 'x', 'sc', 'rms', 'N', 'C', 'R', 'S', 'eps']
+    bwd = ['dx', 'cand', 'u', 'ks', 'vs', 'gt', 'a', 'sc', 'rms', 'gin', 'gout', 'q', 'sa', 'du', 'dgate', 'N', 'C', 'R', 'S']
     for dtype, DT in (('fp32', triton.language.float32), ('fp64', triton.language.float64)):
         kind = lambda name: 'i32' if name in ('N', 'C', 'R', 'S') else 'fp32' if name == 'eps' else \
             '*i64' if name in ('cand', 'ks', 'vs', 'gin', 'gout') else f'*{dtype}'
@@ -789,7 +852,8 @@ def test_config_errors_are_one_line():
                     (dict(dar_routing='self'), 'dar_routing=self needs residual=dar'),
                     (dict(depth_block=2), 'depth_block=2 needs residual=attnres or dar'),
                     (dict(residual='dar', depth_block=7), 'depth_block=7 exceeds'),
-                    (dict(residual='resnet'), 'residual=resnet is not one of')]:
+                    (dict(residual='resnet'), 'residual=resnet is not one of'),
+                    (dict(n_head=0), 'n_embd=32 is not a multiple of n_head=0')]:
         with pytest.raises(ValueError, match=msg):
             tiny(**kw)
 
@@ -1154,6 +1218,20 @@ def test_prepare_counts_on_shared_text(tmp_path):
     with open(tmp_path / 'data' / 'shakespeare_char' / 'meta.pkl', 'rb') as f:
         assert pickle.load(f)['vocab_size'] == 65
 
+def test_bpe_of_a_text_in_pieces_is_the_bpe_of_the_whole(monkeypatch):
+    """prepare_data cuts a large text into pieces only where GPT-2's BPE never merges across: a
+    cut after '\n\n' would end a piece in one '\n\n' token, where the whole text has two '\n'."""
+    gpt2 = os.path.join(SHARED, 'data', 'gpt2')
+    if not os.path.exists(gpt2):
+        pytest.skip(f"{gpt2} is absent: BPE needs the shared GPT-2 vocabulary offline")
+    import prepare_data
+    monkeypatch.setattr(prepare_data, 'CHUNK', 20) # a cut every line or two
+    rng = np.random.default_rng(0)
+    text = ''.join(rng.choice(['the king', 'of my lord', ' shall', '\n', '\n\n', '\n \n', 'Be it.']) for _ in range(3000))
+    enc = prepare_data.gpt2_encoding(gpt2)
+    assert len(list(prepare_data.pieces(text))) > 50
+    assert prepare_data.prepare_bpe(text, enc) == enc.encode_ordinary(text)
+
 # -----------------------------------------------------------------------------
 # mixture of experts
 
@@ -1243,6 +1321,30 @@ def test_moe_token_output_does_not_depend_on_the_batch():
         batched = moe(x)
         for b in range(4):
             torch.testing.assert_close(moe(x[b:b + 1, 3:4]), batched[b:b + 1, 3:4], atol=1e-6, rtol=1e-6)
+
+def test_moe_top_1_gate_is_the_router_probability():
+    """Top-1 (Switch): the gate is p_i, not p_i / p_i = 1, so the LM loss trains the router."""
+    torch.manual_seed(0)
+    moe = MoE(tiny(n_expert=4, n_expert_active=1))
+    x = torch.randn(2, 8, 32)
+    moe(x).pow(2).sum().backward()
+    assert moe.router.weight.grad.abs().max() > 1e-4
+
+@pytest.mark.parametrize('silenced', ['routed', 'shared'])
+def test_moe_drops_out_each_experts_output_once(silenced):
+    """With dropout p a kept output is scaled by 1/(1-p) once, by the routed and the shared experts
+    alike (dropout twice would scale the kept ones by 1/(1-p)^2)."""
+    torch.manual_seed(0)
+    moe = MoE(tiny(**MOE, dropout=0.5))
+    with torch.no_grad(): # one kind of expert silenced, so the other's scale shows
+        (moe.c_proj if silenced == 'routed' else moe.shared.c_proj.weight).zero_()
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        want = moe.eval()(x)
+        got = moe.train()(x)
+    kept = got != 0
+    assert 0.3 < kept.float().mean() < 0.7 and (want != 0).all()
+    torch.testing.assert_close(got[kept], 2 * want[kept])
 
 def test_moe_balance_loss_formula():
     torch.manual_seed(0)
@@ -1511,6 +1613,8 @@ def bad_inputs(workdir, tmp_path, bad):
         (['--learning_rate=-0.001'], "error: learning_rate=-0.001 is out of range: a number > 0"),
         (['--device=gpu'], "error: device='gpu' is out of range: auto, cpu, mps, cuda or cuda:N"),
         (['--init_from=gpt2'], "error: init_from='gpt2' is out of range: scratch, resume or a checkpoint file, *.pt"),
+        (['--compile=0'], "error: compile=0 is out of range: True, False or None"),
+        (['--compile=false'], "error: compile='false' is out of range: True, False or None"), # a string: would be true
         # upcycling: a dense standard checkpoint of the same shape, to attnres or dar
         ([f'--init_from={std}', '--residual=attnres', '--n_embd=64'], f"error: {std} was trained with n_embd=32; it cannot start a run as n_embd=64"),
         ([f'--init_from={std}', '--residual=dar', '--n_layer=3'], f"error: {std} was trained with n_layer=2; it cannot start a run as n_layer=3"),
@@ -1596,6 +1700,49 @@ def test_an_upcycled_run_starts_at_its_checkpoints_loss_and_resumes(workdir, mon
     assert part + losses(capsys.readouterr().out) == full
     checkpoint = torch.load(workdir / 'up-part' / 'ckpt.pt', weights_only=True)
     assert checkpoint['model_args']['residual'] == 'dar' and checkpoint['iter_num'] == 4
+
+def test_a_run_from_a_checkpoint_takes_its_shape_and_may_set_its_dropout(workdir, monkeypatch, capsys):
+    """Resuming, or starting from weights, the model's settings are the checkpoint's, block_size
+    too (train.py's default 64 is not the checkpoint's 16); a run from weights may set its own
+    dropout, as nanoGPT's override_args do."""
+    monkeypatch.chdir(workdir)
+    monkeypatch.setattr(train.signal, 'signal', lambda *args: None)
+    assert train.main(SMALL + ['--out_dir=shape', '--max_iters=2', '--overwrite=True']) == 0
+    unsized = [a for a in SMALL if not a.startswith('--block_size')]
+    assert train.main(unsized + ['--out_dir=shape', '--max_iters=4', '--init_from=resume']) == 0
+    assert 'tokens per iteration will be: 64' in capsys.readouterr().out # 4 x 16
+    checkpoint = torch.load(workdir / 'shape' / 'ckpt.pt', weights_only=True)
+    assert checkpoint['iter_num'] == 4 and checkpoint['config']['block_size'] == 16
+    assert train.main(unsized + ['--init_from=shape/ckpt.pt', '--dropout=0.1', '--out_dir=tuned', '--max_iters=2',
+                                 '--overwrite=True']) == 0
+    tuned = torch.load(workdir / 'tuned' / 'ckpt.pt', weights_only=True)
+    assert tuned['model_args']['dropout'] == tuned['config']['dropout'] == 0.1 and tuned['model_args']['block_size'] == 16
+
+def test_config_files_run_as_nanogpts_do(tmp_path, capsys):
+    """A config file sees the config so far and may import; what it assigns at its top level is
+    given; a broken one fails with one line. A string key takes a number-like value as text."""
+    (tmp_path / 'a.py').write_text('import math\nmax_iters = max_iters * 2\nwarmup_iters = max_iters // 10\n'
+                                   'learning_rate = math.sqrt(1e-6)\neval_iters = len([w for w in range(warmup_iters)]) // 40\n'
+                                   'def helper():\n    dropout = 0.5\n')
+    cfg, given = configure(train.DEFAULTS, [str(tmp_path / 'a.py'), '--out_dir=2024'])
+    assert (cfg['max_iters'], cfg['warmup_iters'], cfg['learning_rate'], cfg['eval_iters']) == (4000, 400, 1e-3, 10)
+    assert given == {'max_iters', 'warmup_iters', 'learning_rate', 'eval_iters', 'out_dir'} and cfg['out_dir'] == '2024'
+    assert cfg['dropout'] == 0.0 # a function's names are no keys
+    (tmp_path / 'b.py').write_text('max_iters = (\n')
+    with pytest.raises(SystemExit):
+        configure(train.DEFAULTS, [str(tmp_path / 'b.py')])
+    assert capsys.readouterr().err.startswith(f"error: config file {tmp_path / 'b.py'}: SyntaxError")
+    assert configure(sample.DEFAULTS, ['--start=123'])[0]['start'] == '123'
+
+def test_sample_needs_the_meta_of_a_character_model(workdir, tmp_path, monkeypatch, capsys):
+    """Run away from the data, a character-level model's meta.pkl is not found: one line, not BPE
+    decoding of character ids."""
+    monkeypatch.setattr(train.signal, 'signal', lambda *args: None)
+    monkeypatch.chdir(workdir)
+    assert train.main(SMALL + ['--out_dir=char', '--max_iters=1', '--overwrite=True']) == 0
+    monkeypatch.chdir(tmp_path)
+    status, err = fails(sample.main, [f"--out_dir={workdir / 'char'}", '--num_samples=1'], capsys)
+    assert status == 1 and last_line(err).startswith(f"error: no {os.path.join('data', 'shakespeare_char', 'meta.pkl')} for this")
 
 def test_a_compiled_run_evaluates_through_its_training_graph(workdir, monkeypatch, capsys):
     """Without dropout a compiled run's evals call the compiled model as training does, grad on
@@ -1838,6 +1985,18 @@ def test_large_corpus_shards_and_training_on_them(tmp_path):
     assert np.concatenate(shards).tolist() == want
     p = run(SMALL + ['--dataset=docs', '--max_iters=2', '--out_dir=out'], tmp_path)
     assert 'step 2:' in p.stdout
+    # a smaller corpus in the same folder: the earlier run's shards go, none is read as this one's
+    (tmp_path / 'few.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs[:40]))
+    run(['docs', '--input=few.jsonl', f'--gpt2_dir={gpt2}', '--shard_tokens=1000', '--num_proc=2'], tmp_path, module='prepare_data.py')
+    few = [t for d in docs[:40] for t in [enc.eot_token] + enc.encode_ordinary(d)]
+    files = sorted(os.listdir(tmp_path / 'data' / 'docs'), key=lambda n: n.split('_')[1])
+    assert np.concatenate([np.fromfile(tmp_path / 'data' / 'docs' / f, dtype=np.uint16) for f in files]).tolist() == few
+    # a bad line, met in the pool's reading thread: one line and exit 1, not a hang
+    (tmp_path / 'bad.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs[:60]) + '{not json}\n')
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'prepare_data.py'), 'docs', '--input=bad.jsonl', f'--gpt2_dir={gpt2}',
+                        '--shard_tokens=1000', '--num_proc=2'], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and last_line(p.stderr) == 'error: --input bad.jsonl, line 61: not a JSON object with a "text" field'
+    assert 'Traceback' not in p.stderr and not glob.glob(str(tmp_path / 'data' / 'docs' / '*.bin')) # no corpus cut short
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_equal_one(workdir):

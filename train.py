@@ -102,6 +102,7 @@ TRAIN_RULES = [count(k) for k in ('eval_interval', 'log_interval', 'eval_iters',
     *[(k, lambda v: 0 <= v < 1, f'0 <= {k} < 1') for k in ('beta1', 'beta2')],
     ('grad_clip', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
     ('init_from', lambda v: v in ('scratch', 'resume') or v.endswith('.pt'), 'scratch, resume or a checkpoint file, *.pt'),
+    ('compile', lambda v: v is None or isinstance(v, bool), 'True, False or None (on for CUDA only)'),
 ]
 
 def get_lr(it, cfg):
@@ -119,9 +120,8 @@ def get_lr(it, cfg):
 
 def save_checkpoint(checkpoint, path):
     """Write to a temp name, then rename: a crash never leaves a half-written ckpt.pt."""
-    tmp = path + '.tmp'
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
+    torch.save(checkpoint, path + '.tmp')
+    os.replace(path + '.tmp', path)
 
 def init_distributed(cfg):
     """(ddp, rank, local_rank, world_size, device): under torchrun, one process per rank."""
@@ -134,8 +134,7 @@ def init_distributed(cfg):
     if device.startswith('cuda'):
         device = f'cuda:{local_rank}'
         torch.cuda.set_device(device)
-    backend = cfg['backend'] if cfg['backend'] != 'auto' else ('nccl' if device.startswith('cuda') else 'gloo')
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=cfg['backend'] if cfg['backend'] != 'auto' else ('nccl' if device.startswith('cuda') else 'gloo'))
     return True, rank, local_rank, world_size, device
 
 def init_model(cfg, given, data_dir, ckpt_path):
@@ -158,10 +157,12 @@ def init_model(cfg, given, data_dir, ckpt_path):
         # standard checkpoint: upcycled, the same first forward; asking for another is an error
         upcycle = not resume and 'residual' in given and cfg['residual'] != was('residual')
         change = {k: cfg[k] for k in ('residual', 'depth_block', 'include_partial', 'dar_routing')} if upcycle else {}
+        if not resume and 'dropout' in given: # a run from weights sets its own dropout (nanoGPT's override_args)
+            change['dropout'] = cfg['dropout']
         for k in sorted(given & set(MODEL_KEYS) - set(change) - {'vocab_size'}):
             if cfg[k] != was(k):
                 fail(f"{path} was trained with {k}={was(k)!r}; it cannot {'resume' if resume else 'start a run'} as {k}={cfg[k]!r}")
-        if change and (was('residual') != 'standard' or was('n_expert') or cfg['residual'] not in ('attnres', 'dar')
+        if upcycle and (was('residual') != 'standard' or was('n_expert') or cfg['residual'] not in ('attnres', 'dar')
                        or not cfg['include_partial'] or cfg['dar_routing'] == 'fixed'):
             fail(f"--residual={cfg['residual']}: upcycling takes a dense standard checkpoint to attnres or dar (not dar_routing="
                  f"fixed) with include_partial=True; {path} has residual={was('residual')}, n_expert={was('n_expert')}")
@@ -173,6 +174,7 @@ def init_model(cfg, given, data_dir, ckpt_path):
         model = GPT.from_checkpoint(checkpoint, **change) if checkpoint else GPT(GPTConfig(**model_args))
     except ValueError as e:
         fail(str(e))
+    cfg.update({k: getattr(model.config, k) for k in MODEL_KEYS if k in cfg}) # a checkpoint's: its block_size too
     return model, {**model_args, **change}, checkpoint if resume else None
 
 def restore(checkpoint, model, optimizer, scaler, data_gen, cfg, rank, world_size, device_type):
@@ -349,10 +351,7 @@ def main(argv):
     # various inits, derived attributes, I/O setup
     ddp, rank, local_rank, world_size, device = init_distributed(cfg)
     master_process = rank == 0 # this process will do logging, checkpointing etc.
-    tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
     ckpt_path = init_out_dir(cfg, master_process)
-    if master_process:
-        print(f"tokens per iteration will be: {tokens_per_iter:,}")
     device_type = 'cuda' if 'cuda' in device else device # for later use in torch.autocast
     dtype, ctx = autocast(device_type, cfg['dtype'])
     # compile=None: on CUDA only; on CPU every path ran faster eager end to end (docs/bench.md)
@@ -364,11 +363,14 @@ def main(argv):
     # data: every rank draws the same global batch from the same generator and takes its own
     # micro-batches, so the data stream does not depend on the number of processes
     data_dir = os.path.join(cfg['data_dir'], cfg['dataset'])
-    splits = {split: open_split(data_dir, split, cfg['block_size']) for split in ('train', 'val')}
     data_gen = torch.Generator().manual_seed(cfg['seed'])
 
     # model, optimizer and, resuming, their state
     raw_model, model_args, checkpoint = init_model(cfg, given, data_dir, ckpt_path)
+    splits = {split: open_split(data_dir, split, cfg['block_size']) for split in ('train', 'val')}
+    tokens_per_iter = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']
+    if master_process:
+        print(f"tokens per iteration will be: {tokens_per_iter:,}")
     raw_model.to(device)
     shard(raw_model, cfg, ddp)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16')) # a no-op unless float16
@@ -430,8 +432,7 @@ def main(argv):
         bar.update(1)
     bar.close()
     if master_process and local_iter_num > 0 and not stopping:
-        saved = f"best val loss {run['best_val_loss']:.4f} in {ckpt_path}; sample it with: python sample.py --out_dir={cfg['out_dir']}" \
-            if os.path.exists(ckpt_path) else "no checkpoint saved"
+        saved = f"best val loss {run['best_val_loss']:.4f} in {ckpt_path}; sample it with: python sample.py --out_dir={cfg['out_dir']}" if os.path.exists(ckpt_path) else "no checkpoint saved"
         print(f"done: {iter_num} iterations, {local_iter_num} in this run in {time.time() - t_start:.0f} s; {saved}")
     if ddp: # every rank past its last collective before any tears the group down
         dist.barrier(device_ids=[local_rank] if device_type == 'cuda' else None) # (named: no NCCL warning)
@@ -439,11 +440,10 @@ def main(argv):
     return 128 + stopping if stopping else 0 # after a stop: a script sees the run did not finish
 
 def exit_now(status):
-    """Leave without Python's shutdown, where signal handlers are gone (a repeated signal would kill
-    a saved run with a bare -15) and a gloo thread still releasing a collective under DDP ends in
-    std::terminate (SIGABRT) when it takes the GIL. Nothing is left unwritten: flush, exit."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    """Flush, then exit without Python's shutdown: there a repeated signal would kill a saved run (bare
+    -15), and under DDP a gloo thread that still releases a collective ends in std::terminate."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     os._exit(status)
 
 if __name__ == '__main__':
