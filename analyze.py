@@ -64,8 +64,8 @@ class Probe:
     it returns, res.fuse(s, l, h, weights); of AttnRes it records the weights. Records the weights of every read and the streams' histories; with
     ablate = {stream j: None} replaces j's read by its mean over the batch at each position (a mean
     ablation: a zero read would only rescale the pre-normed branch input), with {j: k} by stream
-    k's read (rescue). mHC's reads are its streams X_i, weighted by pre; its final readout reads
-    no one stream, so it is neither recorded nor replaced."""
+    k's read (rescue). mHC's reads are its streams X_i, weighted by pre, at every sublayer and in
+    the final readout (sigmoid-weighted), as DAR's final read."""
 
     def __init__(self, model, ablate=None):
         cfg = model.config
@@ -109,8 +109,6 @@ class Probe:
         a = weights
         if self.mhc:
             self.states.append(s.detach()) # the state: the streams X
-            if l == self.L:
-                return h, weights
             a = a.permute(2, 0, 1) # pre (B, T, n) -> (n, B, T)
         elif l == self.L:
             self.H = s.H

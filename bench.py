@@ -508,7 +508,8 @@ def main(argv):
 
     where = torch.cuda.get_device_name() if 'cuda' in device else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench: {where}, {dtype}, n_layer={cfg['n_layer']} n_embd={cfg['n_embd']} block_size={cfg['block_size']} "
-          f"batch_size={cfg['batch_size']}, {cfg['warmup']} warm-up + {cfg['rounds']} interleaved rounds; x std = vs standard in the same mode")
+          f"batch_size={cfg['batch_size']}, {cfg['warmup']} warm-up + {cfg['rounds']} interleaved rounds; x std = time (or memory) "
+          f"over dense standard's in the same mode: 1.25 is 1/1.25 of its tok/s")
     print("peak: " + ("CUDA max_memory_allocated during a training step" if 'cuda' in device else
                       "CPU peak RSS of a fresh eager process per path over 3 training steps, minus its RSS after imports")
           + "; saved: what a training forward saves for backward, parameters excluded")
@@ -524,7 +525,7 @@ def main(argv):
               f"| {r['train_ratio']:.2f} ({r['train_ratio_span'][0]:.2f}-{r['train_ratio_span'][1]:.2f}) "
               f"| {r['prefill_tok_s']:,.0f} | {r['prefill_ratio']:.2f} | {1e3 * dec['median']:.2f} | {r['decode_ratio']:.2f} "
               f"| {num(r['peak_memory_mb'], '.1f')} | {num(r['memory_ratio'], '.2f')} | {r['saved_mb']:.1f} | {r['saved_ratio']:.2f} |"
-              + (f" {100 * r['mfu']:.1f}% |" if mfu else ''))
+              + (f" {num(r['mfu'], '.1%')} |" if mfu else '')) # None: a GPU without a known peak
     write_json(cfg, dict(device=where, dtype=dtype, results=results))
 
 def write_json(cfg, res):

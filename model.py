@@ -129,7 +129,7 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float()) # (B*T, E)
         probs = logits.softmax(-1)
         gate, expert = probs.topk(k, dim=-1) # (B*T, k)
-        # gate_i = p_i / sum_{top-k} p; top-1: p_i, as Switch (renormalised, 1: no router gradient)
+        # gate_i = p_i / sum_{top-k} p; top-1: p_i, as Switch (renormalised: 1, an untrained router)
         gate = gate / gate.sum(-1, keepdim=True) if k > 1 else gate
         # slot s = token * k + choice, one per (token, chosen expert): its expert slot_expert[s]
         slot_expert = expert.view(-1) # (B*T*k,)
@@ -428,8 +428,8 @@ class DAR(nn.Module):
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r, w^j_l = s.w[l][j]
         # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), gates s.fusion[l] = (alpha_l, 1 - alpha_l)
-        # [R, not in equations.md] times |C|: a zero-init read sums the entries (the streams' mean)
-        # instead of averaging them; Norm_l ignores the scale but for its eps, which damps a mean
+        # [R, not in equations.md] times |C|: at zero-init queries x_l = sum_r (C^0_r + C^1_r) / 2,
+        # not a mean over |C|, which Norm_l's eps would damp (Norm_l ignores the scale but for it)
         # s.read: depth_read as one operation; test_depth_op_equals_the_readable_reads_in_fp64 runs
         # the model on depth_read and dar_write instead (loss, every gradient, fp64; K = 2 included)
         x, weights = s.read(C, s.w[l], s.g[l], keys=keys, values=values, gates=s.fusion[l], scale=len(C[0]))

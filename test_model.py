@@ -1049,6 +1049,21 @@ def test_ablation_replaces_a_read_by_its_batch_mean(name):
             assert torch.allclose(probed(model, ablated(model, j), same, same)[0], full_logits(model, same), atol=1e-5)
             assert not torch.allclose(probed(model, ablated(model, j), mixed, mixed)[0], full_logits(model, mixed), atol=1e-4)
 
+@pytest.mark.parametrize('name', ['dar-cross-block', 'mhc'])
+def test_the_probe_takes_every_read_the_final_one_too(name):
+    """An ablation acts on every read, the final one included, for mHC as for DAR: ablating stream
+    0 in the final read alone changes the logits; every read's weights are recorded."""
+    model = make(name)
+    idx = torch.randint(0, 50, (3, 16))
+    class FinalOnly(analyze.Probe): # the ablation at the final read only
+        def __call__(self, l, s, h, weights):
+            self.ablate = {0: None} if l == self.L else {}
+            return super().__call__(l, s, h, weights)
+    probe = FinalOnly(model, {0: None})
+    with torch.no_grad():
+        assert not torch.allclose(probed(model, probe, idx, idx)[0], full_logits(model, idx), atol=1e-5)
+    assert len(probe.weights) == 2 * model.config.n_layer + 1
+
 def test_mhc_rescue_reads_the_donor_stream():
     """Stream j read as stream k: a model whose streams are equal reads as if clean."""
     model = make('mhc')
