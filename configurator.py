@@ -50,10 +50,11 @@ def configure(defaults, argv, nullable=()):
             # as nanoGPT's: the file sees the config so far (max_iters = 2 * max_iters) and may import
             scope = dict(config)
             try:
-                exec(compile(source, arg, 'exec'), scope)
+                tree = ast.parse(source, arg)
+                exec(compile(tree, arg, 'exec'), scope)
             except Exception as e:
                 fail(f"config file {arg}: {type(e).__name__}: {e}")
-            items = {k: scope[k] for k in assigned(ast.parse(source)) if not k.startswith('_')}
+            items = {k: scope[k] for k in assigned(tree) if not k.startswith('_')}
         elif '=' not in arg:
             fail(f"{arg}: overrides take the form --key=value")
         else:

@@ -566,8 +566,8 @@ class GPT(nn.Module):
         """Model flops utilization against this GPU's bf16 dense peak (PaLM's flops, no depth read),
         found by a word of its name ('A100-SXM4' has A100, 'L40S' has no L4); else None."""
         peaks = {'H200': 989e12, 'H100': 989e12, 'A100': 312e12, 'L4': 121e12} # bf16 dense
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ''
-        peak = next((v for k, v in peaks.items() if k in name.replace('-', ' ').split()), None)
+        name = torch.cuda.get_device_name().replace('-', ' ').split() if torch.cuda.is_available() else []
+        peak = next((v for k, v in peaks.items() if k in name), None)
         if peak is None:
             return None
         n_params, cfg = self.get_num_params(active=True), self.config
