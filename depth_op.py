@@ -2,9 +2,9 @@
 The depth read of model.py (model.depth_read, its definition) as one operation, fused_read, with
 its backward written out, and DAR's write (model.dar_write) as another (after the read): the same
 values and gradients (test_model.py compares them in fp64), the read built so that
-- one call reads T targets (AttnRes: one; DAR: both, with their fusion) over S streams of
+- one call reads J targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
-- backward keeps only the weights and scores (T, R, B, T) and the rms (S, R, B, T), besides the
+- backward keeps only the weights and scores (J, R, B, T) and the rms (S, R, B, T), besides the
   candidates, which the model keeps anyway: no temporary of the model's width;
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
 - it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
@@ -348,7 +348,7 @@ def tables(device, *parts):
     return sent.split([len(v) for v in values])
 
 def triton_inputs(ws, g, cand, R, routes, gates, scale):
-    """The compute dtype, the candidates in it (contiguous), u (T, C) and scale * gate_t (T,), on
+    """The compute dtype, the candidates in it (contiguous), u (J, C) and scale * gate_t (J,), on
     the candidates' device."""
     dtype = triton_dtype(cand)
     cand = [k.to(dtype).contiguous() for k in cand]
@@ -372,7 +372,7 @@ def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
     return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rms.view(S, *shape)
 
 def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rms, gin, gout, scale):
-    """dw (T, C), dg and dgate (T,); the candidates' gradients written to gout (in place: gin)."""
+    """dw (J, C), dg and dgate (J,); the candidates' gradients written to gout (in place: gin)."""
     S, Tn = len(cand) // R, len(ws)
     dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
     N, C, device = cand[0].numel() // cand[0].size(-1), cand[0].size(-1), cand[0].device
@@ -419,12 +419,12 @@ def write_backward_triton(P, y, beta, rho, d0, d1):
 
 # -----------------------------------------------------------------------------
 # the read, forward and backward: by depth_op.cpp or by torch ops. S streams of R candidates, cand
-# flat (stream s's candidate r at s * R + r); T targets, target t reading the keys of stream
+# flat (stream s's candidate r at s * R + r); J targets, target t reading the keys of stream
 # routes[2t] and the values of stream routes[2t + 1], with the query row ws[t], the key-norm weight
 # g and the gate gates[t] (no gates: 1).
 
 def read_forward(ws, g, cand, R, routes, gates, eps, scale=1.0):
-    """x = scale sum_t gate_t h_t, the weights a and scores s (T, R, B, T), the keys' rms (S, R, B, T)."""
+    """x = scale sum_t gate_t h_t, the weights a and scores s (J, R, B, T), the keys' rms (S, R, B, T)."""
     S, Tn, dtype = len(cand) // R, len(ws), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     if on_triton(cand + ws + gates + [g]):
@@ -611,7 +611,7 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
     gates: per target, or None; handles: per stream, the handle of its committed candidates (a
     stream with more candidates than its handle has entries ends in its partial block); eps: the key
     norm's; scale: a number (inside the operation, so that the code compiled around it is the same
-    for every R). Returns x, the weights a (T, R, B, T) and the handles."""
+    for every R). Returns x, the weights a (J, R, B, T) and the handles."""
     stream = lambda c: [c is c_j for c_j in cand].index(True)
     routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
     R, flat, gates = len(cand[0]), sum(cand, []), gates or []

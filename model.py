@@ -1,8 +1,8 @@
 """
 dar-gpt: one GPT, four residual paths: standard (pre-norm GPT-2), attnres, mhc and dar. The L =
 2*n_layer sublayers keep their pre-norms; a path makes sublayer l's input and takes its output y_l:
-begin(e) -> s; read(s, l) -> x_l; write(s, l, y_l) -> s. The comment above a line is the equation
-it computes (../shared/design/equations.md; [R]: our reconstruction of a DAR detail)."""
+begin(e) -> s; read(s, l) -> Norm_l's input; write(s, l, y_l) -> s. The comment above a line is
+the equation it computes (../shared/design/equations.md; [R]: a DAR detail we reconstructed)."""
 
 import math
 from dataclasses import dataclass
@@ -179,8 +179,8 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
-        # res = RESIDUALS[config.residual] (e.g. DAR.read, .write), s its state; Norm_l = ln_1, ln_2
-        # y_l = f_l(Norm_l(x_l)), x_l = res.read(s, l) ; s <- res.write(s, l, y_l)
+        # res: GPT.transformer.res = RESIDUALS[config.residual], e.g. DAR; s: its state (res.begin)
+        # y_l = f_l(Norm_l(res.read(s, l))) ; s <- res.write(s, l, y_l)
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
         return s
@@ -228,8 +228,8 @@ class Standard(nn.Module):
         return x + y
 
 def sinkhorn(logits, iters=20):
-    """Doubly stochastic matrix from logits Z (..., n, n), fp32, by Sinkhorn-Knopp; slow near the
-    identity, so n = 2 takes its limit [[p, 1-p], [1-p, p]]."""
+    """Doubly stochastic matrix from logits Z (..., n, n), fp32, by Sinkhorn-Knopp, 20 iterations;
+    n = 2: their limit [[p, 1-p], [1-p, p]] (near the identity 20 leave row sums 1e-4 off)."""
     Z = logits.float()
     if Z.size(-1) == 2:
         # p = sigmoid((Z00 + Z11 - Z01 - Z10) / 2)
@@ -297,10 +297,9 @@ class MHC(nn.Module):
             return M @ X + post.unsqueeze(-1) * y.unsqueeze(2)
 
 # depth attention, shared by AttnRes and DAR
-def depth_read(queries, g, keys, values, gates, scale):
-    """Target t reads R keys[t], values[t] (B, T, C) with its query queries[t]; g: the keys' RMSNorm
-    weight. The model runs it as depth_op.fused_read, equal in values and every gradient (fp64;
-    every path, routing, K, partial on/off; test_depth_op_equals_the_readable_reads_in_fp64)."""
+def depth_read(queries, g, keys, values, fusion, scale):
+    """Target t reads R keys[t], values[t] (B, T, n_embd), query queries[t]; g: RMSNorm's weight.
+    As one operation: DepthState.depth_read (test_depth_op_equals_the_readable_reads_in_fp64)."""
     x, weights = 0, []
     for t, (w, keys_t, values_t) in enumerate(zip(queries, keys, values)):
         # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6; scores in fp32
@@ -311,13 +310,13 @@ def depth_read(queries, g, keys, values, gates, scale):
         a = scores.softmax(0)
         # h_t = sum_r a_r v_r: the values are raw, only the keys are normed
         h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values_t))
-        # x = sum_t gate_t h_t (no gates: one target, x = h_0)
-        x, weights = x + (h if gates is None else gates[t] * h), weights + [a]
-    return scale * x, torch.stack(weights) # [R] scale = |C|: AttnRes.read, DAR.read
+        # x = sum_t fusion_t h_t (DAR: fusion = (alpha_l, 1 - alpha_l); None: one target, x = h_0)
+        x, weights = x + (h if fusion is None else fusion[t] * h), weights + [a]
+    return scale * x, torch.stack(weights) # [R] scale = N candidates: AttnRes.read, DAR.read
 
 def dar_write(P, y, beta, rho):
-    """DAR's write of y_l (B, T, C) into P = [P^0, P^1] (None: P^j = 0), beta = beta_l (2, C),
-    rho = rho_l. depth_op.write equals it (test_dar_write_operation_equals_its_definition)."""
+    """DAR's write of y_l (B, T, n_embd) into P = [P^0, P^1] (None: P^j = 0) with beta_l (2, n_embd)
+    and rho_l. depth_op.write equals it (test_dar_write_operation_equals_its_definition)."""
     if P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
         return [beta[0] * y, beta[1] * y]
     P0, P1 = P
@@ -341,12 +340,13 @@ class DepthState:
         self.P = None
 
     def candidates(self):
-        # C^j = H^j, plus P^j once the block has a write (if include_partial)
-        return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
+        # C^j = H^j, plus P^j once the block has a write (if include_partial); self.C: depth_read's
+        self.C = [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
+        return self.C
 
-    def read(self, C, queries, g, keys, values, gates=None, scale=1):
-        """depth_read(queries, g, keys, values, gates, scale) as one operation; keys, values of C"""
-        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, gates, self.handle, RMS_EPS, scale)
+    def depth_read(self, queries, g, keys, values, fusion=None, scale=1):
+        """model.depth_read as one operation; keys, values: lists of candidates(), the last C"""
+        x, weights, self.handle = depth_op.fused_read(queries, g, self.C, keys, values, fusion, self.handle, RMS_EPS, scale)
         return x, weights
 
 class AttnRes(nn.Module):
@@ -368,8 +368,8 @@ class AttnRes(nn.Module):
 
     def read(self, s, l):
         V = s.candidates()[0] # [b_0, .., b_{n-1}, b_n^{i-1}]
-        # x_l = |V| sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R: |V|, as DAR.read]: depth_read
-        return s.read([V], [s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
+        # N x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R: N = |V|, as DAR.read]: depth_read
+        return s.depth_read([s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -388,14 +388,14 @@ ROUTES = { # dar_routing -> (key_streams, value_streams), each indexed by the ta
 }
 
 class DAR(nn.Module):
-    """Dual Attention Residuals: two streams j, each with its history H^j and partial P^j. Target j
-    reads keys of the other stream and values of its own. depth_block=1 is Full DAR."""
+    """Dual Attention Residuals: streams j (history H^j, partial P^j); target j reads keys of the
+    other stream, values of its own. GPT.forward: s = begin(e); l < L: read, write; read(s, L)."""
 
     def __init__(self, config):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # indexed by the target j
+        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: (1, 0), (0, 1)
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -412,7 +412,7 @@ class DAR(nn.Module):
 
     def begin(self, e):
         s = DepthState(e, 2, self.include_partial) # H^0_0 = H^1_0 = e [R]
-        # depth_op.rows: rows(p)[l] = p[l], rows(p, 2)[l][j] = p[l, j], each a tensor of its own
+        # depth_op.rows(p)[l] = p[l], rows(p, 2)[l][j] = p[l, j]: tensors of their own (test_rows)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -423,36 +423,36 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        C = s.candidates() # C^j = H^j, plus P^j if include_partial and the block has a write
-        # target j: keys C^{1-j}, values C^j (ROUTES['cross'] = key, value streams ((1, 0), (0, 1)))
+        C = s.candidates() # C[j] = C^j: H^j, plus P^j if include_partial and the block has a write
+        N = len(C[0]) # candidates per stream
+        # cross (DAR): target j's keys C^{1-j}: [C^1, C^0]; values C^j: [C^0, C^1] (others: ROUTES)
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r, w^j_l = s.w[l][j]
-        # x_l = |C| (alpha_l h^0 + (1 - alpha_l) h^1), gates s.fusion[l] = (alpha_l, 1 - alpha_l)
-        # [R, not in equations.md] times |C|: at zero-init queries x_l = sum_r (C^0_r + C^1_r) / 2,
-        # not a mean over |C|, which Norm_l's eps would damp (Norm_l ignores the scale but for it)
-        # s.read: depth_read as one operation; test_depth_op_equals_the_readable_reads_in_fp64 runs
-        # the model on depth_read and dar_write instead (loss, every gradient, fp64; K = 2 included)
-        x, weights = s.read(C, s.w[l], s.g[l], keys=keys, values=values, gates=s.fusion[l], scale=len(C[0]))
-        return x # (the weights a^j_r are analyze.py's, through DAR.reads)
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r ; w^j_l = s.w[l][j]
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 ; s.fusion[l] = (alpha_l, 1 - alpha_l) ; returns
+        # N x_l [R]: at zero-init queries a sum over depth, not a mean that Norm_l's eps damps.
+        # s.depth_read is depth_read as one operation, the same loss and gradients in fp64:
+        # test_depth_op_equals_the_readable_reads_in_fp64[dar-cross-block-True-2-kernel]
+        Nx, weights = s.depth_read(s.w[l], s.g[l], keys, values, s.fusion[l], N)
+        return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
-        """|C| h^0, |C| h^1 apart, their weights (2, |C|, B, T): SepV's reads, and analyze.py's."""
+        """N h^0, N h^1 apart, their weights (2, N, B, T): SepV's reads, and analyze.py's."""
         C = s.candidates()
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
-        h, weights = zip(*[s.read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
+        h, weights = zip(*[s.depth_read([w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
         return list(h), torch.cat(weights)
 
     def fuse(self, s, l, h, weights):
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 (h^j times |C|): SepV's and analyze.Probe's fusion
+        # N x_l = alpha_l N h^0 + (1 - alpha_l) N h^1: SepV's and analyze.Probe's fusion
         return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
 
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
         # from the old P; P None: P^j <- beta^j y_l. depth_op.write: dar_write as one operation
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # beta_l (2, C), rho_l: begin's rows
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # beta_l (2, n_embd), rho_l: of begin
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit() # H^j.append(P^j) ; P^j = 0 (P = None); the handles carry no values

@@ -491,7 +491,8 @@ def needs_interpreter():
 def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, K, body, monkeypatch):
     """Every path, routing, K (1, 4 over 6 sublayers, and train.py's 2) and partial on / off: the
     loss and every gradient of the model that runs depth_op (depth_op.cpp, its torch-ops body, or
-    its Triton kernels in Triton's interpreter) equal those of depth_read and dar_write, in fp64."""
+    its Triton kernels in Triton's interpreter) equal those of depth_read and dar_write, in fp64.
+    make() randomises the path's parameters: no query zero, no gate at its init (randomize)."""
     kw = {} if K is None else dict(depth_block=K)
     if body == 'triton':
         needs_interpreter()
@@ -522,6 +523,25 @@ def test_inductor_depth_op_equals_the_readable_reads_in_fp64(name, monkeypatch):
     got = loss_and_grads(name, True, compile='inductor')
     use_readable(monkeypatch)
     assert_same(got, loss_and_grads(name, True), tol=1e-9)
+
+@pytest.mark.parametrize('compiled', [False, True])
+def test_rows(compiled):
+    """depth_op.rows(p)[l] = p[l] and rows(p, 2)[l][j] = p[l, j], and the gradient through them is
+    that of p's entries, eager and compiled (where the rows are a custom operation's outputs)."""
+    torch._dynamo.reset()
+    p = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 5, dtype=torch.float64)
+    def by_rows(p):
+        r, r2 = depth_op.rows(p), depth_op.rows(p, 2)
+        return torch.stack([torch.stack(r2[l]) for l in range(3)]), torch.stack(r), (torch.stack(r) * w).sum()
+    def by_index(p):
+        return p, p, (p * w).sum()
+    got = (torch.compile(by_rows, fullgraph=True, backend='aot_eager') if compiled else by_rows)(p)
+    want = by_index(p)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    grad, = torch.autograd.grad(got[0].sum() + 2 * got[1].sum() + got[2], p)
+    torch.testing.assert_close(grad, 3 + w, rtol=1e-12, atol=1e-12)
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('routes', [[0, 0], [1, 0, 0, 1], [0, 0, 1, 1], [0, 1, 0, 1]])
