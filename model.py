@@ -209,8 +209,6 @@ class KVCache:
         self.v[i].index_copy_(2, positions, v)
         return self.k[i], self.v[i]
 
-RMS_EPS = 1e-6 # the residual paths' RMSNorms: of mHC's streams, of the depth reads' keys
-
 class Standard(nn.Module):
     """x_0 = e ; x_l = x_{l-1} + f_l(Norm(x_{l-1})): the state is the residual stream x."""
 
@@ -229,7 +227,7 @@ class Standard(nn.Module):
 
 def sinkhorn(logits, iters=20):
     """Doubly stochastic matrix from logits Z (..., n, n), fp32, by Sinkhorn-Knopp, 20 iterations;
-    n = 2: their limit [[p, 1-p], [1-p, p]] (near the identity 20 leave row sums 1e-4 off)."""
+    n = 2 (our choice): the limit [[p, 1-p], [1-p, p]]; near the init 20 leave row sums 1e-4 off."""
     Z = logits.float()
     if Z.size(-1) == 2:
         # p = sigmoid((Z00 + Z11 - Z01 - Z10) / 2)
@@ -297,9 +295,11 @@ class MHC(nn.Module):
             return M @ X + post.unsqueeze(-1) * y.unsqueeze(2)
 
 # depth attention, shared by AttnRes and DAR
+RMS_EPS = 1e-6 # the depth reads' key RMSNorm (and mHC's, of its streams)
+
 def depth_read(queries, g, keys, values, fusion, scale):
     """Target t reads R keys[t], values[t] (B, T, n_embd), query queries[t]; g: RMSNorm's weight.
-    As one operation: DepthState.depth_read (test_depth_op_equals_the_readable_reads_in_fp64)."""
+    As one operation: DepthState.fused_read (test_depth_op_equals_the_readable_reads_in_fp64)."""
     x, weights = 0, []
     for t, (w, keys_t, values_t) in enumerate(zip(queries, keys, values)):
         # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6; scores in fp32
@@ -340,13 +340,12 @@ class DepthState:
         self.P = None
 
     def candidates(self):
-        # C^j = H^j, plus P^j once the block has a write (if include_partial); self.C: depth_read's
-        self.C = [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
-        return self.C
+        # C^j = H^j, plus P^j once the block has a write (if include_partial)
+        return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
-    def depth_read(self, queries, g, keys, values, fusion=None, scale=1):
-        """model.depth_read as one operation; keys, values: lists of candidates(), the last C"""
-        x, weights, self.handle = depth_op.fused_read(queries, g, self.C, keys, values, fusion, self.handle, RMS_EPS, scale)
+    def fused_read(self, C, queries, g, keys, values, fusion=None, scale=1):
+        """depth_read(queries, g, keys, values, fusion, scale), above, as one operation on C"""
+        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale)
         return x, weights
 
 class AttnRes(nn.Module):
@@ -369,7 +368,7 @@ class AttnRes(nn.Module):
     def read(self, s, l):
         V = s.candidates()[0] # [b_0, .., b_{n-1}, b_n^{i-1}]
         # N x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R: N = |V|, as DAR.read]: depth_read
-        return s.depth_read([s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
+        return s.fused_read([V], [s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -389,13 +388,14 @@ ROUTES = { # dar_routing -> (key_streams, value_streams), each indexed by the ta
 
 class DAR(nn.Module):
     """Dual Attention Residuals: streams j (history H^j, partial P^j); target j reads keys of the
-    other stream, values of its own. GPT.forward: s = begin(e); l < L: read, write; read(s, L)."""
+    other stream, values of its own. GPT.forward: s = begin(e); l < L: read, write; read(s, L).
+    Its logits are naive_dar's (test_model.py: equations.md in one loop; K = 2 included)."""
 
     def __init__(self, config):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: (1, 0), (0, 1)
+        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: 1 - j, j
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -411,8 +411,8 @@ class DAR(nn.Module):
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
-        s = DepthState(e, 2, self.include_partial) # H^0_0 = H^1_0 = e [R]
-        # depth_op.rows(p)[l] = p[l], rows(p, 2)[l][j] = p[l, j]: tensors of their own (test_rows)
+        s = DepthState(e, 2, self.include_partial) # s.H = [H^0, H^1] = [[e], [e]] [R]; s.P = None
+        # s.w[l][j] = query[l, j], s.g[l] = key_norm[l]: rows as tensors of their own (test_rows)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
@@ -430,16 +430,16 @@ class DAR(nn.Module):
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r ; w^j_l = s.w[l][j]
         # x_l = alpha_l h^0 + (1 - alpha_l) h^1 ; s.fusion[l] = (alpha_l, 1 - alpha_l) ; returns
         # N x_l [R]: at zero-init queries a sum over depth, not a mean that Norm_l's eps damps.
-        # s.depth_read is depth_read as one operation, the same loss and gradients in fp64:
-        # test_depth_op_equals_the_readable_reads_in_fp64[dar-cross-block-True-2-kernel]
-        Nx, weights = s.depth_read(s.w[l], s.g[l], keys, values, s.fusion[l], N)
+        # s.fused_read: depth_read as one operation, the same loss and gradients in fp64 (K = 2:
+        # test_depth_op_equals_the_readable_reads_in_fp64[dar-cross-block-True-2-kernel])
+        Nx, weights = s.fused_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], N)
         return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
         """N h^0, N h^1 apart, their weights (2, N, B, T): SepV's reads, and analyze.py's."""
         C = s.candidates()
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
-        h, weights = zip(*[s.depth_read([w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
+        h, weights = zip(*[s.fused_read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
