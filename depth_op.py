@@ -5,7 +5,9 @@ values and gradients (test_model.py compares them in fp64), the read built so th
 - one call reads J targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
 - backward keeps only the weights and scores (J, R, B, T) and the rms (S, R, B, T), besides the
-  candidates, which the model keeps anyway: no temporary of the model's width;
+  candidates: no temporary of the model's width. A DAR candidate made by at most REPLAY writes is
+  not kept either: backward makes it again from their outputs y, which the writes keep anyway
+  (beta's gradient), and so does the write's backward for its partials (rho's gradient);
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
 - it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
   kernels on CUDA (tested on CPU in Triton's interpreter), torch ops elsewhere. So does the write.
@@ -531,28 +533,61 @@ def split(tensors, counts):
     return out
 
 # -----------------------------------------------------------------------------
+# DAR's partials and entries made again in backward from the writes that made them, instead of kept
+
+REPLAY = 2 # a candidate made by at most this many writes (all of them at depth_block <= 2)
+
+def recipe(steps):
+    """Flat ys, betas, rhos and lengths of lists of writes (y, beta, rho), each list the writes that
+    made one candidate; a list's first write met no partial, so its rho is not needed."""
+    ys = [y for w in steps for y, _, _ in w]
+    betas = [beta for w in steps for _, beta, _ in w]
+    rhos = [rho for w in steps for _, _, rho in w[1:]]
+    return ys, betas, rhos, [len(w) for w in steps]
+
+def replay(ys, betas, rhos, lengths):
+    """[P^0, P^1] of each list of writes, made again: write_forward over them from P = []."""
+    made, y_beta, rho = [], iter(zip(ys, betas)), iter(rhos)
+    for n in lengths:
+        P = []
+        for i in range(n):
+            y, beta = next(y_beta)
+            P = write_forward(P, y, beta, next(rho) if i else None)
+        made.append(P)
+    return made
+
+def assemble(kept, made, R, S, replayed):
+    """The flat candidates (stream j's r at j * R + r): made[i][j] where r = replayed[i], else the
+    next kept one."""
+    kept = iter(kept)
+    return [made[replayed.index(r)][j] if r in replayed else next(kept) for j in range(S) for r in range(R)]
+
+# -----------------------------------------------------------------------------
 # eager: an autograd.Function (a fraction of a custom operation's dispatch cost)
 
 class DepthRead(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, g, R, routes, eps, scale, counts, *tensors):
-        ws, gates, handles, partials, cand = split(tensors, counts)
+    def forward(ctx, g, R, routes, eps, scale, counts, lengths, replayed, *tensors):
+        ws, gates, handles, partials, cand, ys, betas, rhos = split(tensors, counts)
         x, a, s, rms = read_forward(ws, g, cand, R, routes, gates, eps, scale)
-        ctx.save_for_backward(g, a, s, rms, *ws, *gates, *cand)
+        kept = [c for i, c in enumerate(cand) if i % R not in replayed] # the others: made again
+        ctx.save_for_backward(g, a, s, rms, *ws, *gates, *kept, *ys, *betas, *rhos)
         ctx.mark_non_differentiable(a, s, rms)
-        ctx.R, ctx.routes, ctx.counts, ctx.scale = R, routes, counts, scale
+        ctx.R, ctx.routes, ctx.scale, ctx.lengths, ctx.replayed = R, routes, scale, lengths, replayed
+        ctx.counts = (*counts[:2], len(kept), *counts[5:])
         return x, a, s, rms, *[passed_on(S) for S in handles]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dx, da, ds, drms, *dS):
         g, a, s, rms, *rest = ctx.saved_tensors
-        Tn, nG, S, nP, nC = ctx.counts
-        ws, gates, cand = split(rest, (Tn, nG, nC))
+        ws, gates, kept, ys, betas, rhos = split(rest, ctx.counts)
+        made = replay(ys, betas, rhos, ctx.lengths)
+        cand = assemble(kept, made, ctx.R, len(dS), ctx.replayed)
         dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rms, list(dS), ctx.scale,
                                                    in_place=True)
-        return dg, None, None, None, None, None, *dws, *dgates, *gS, *dP, *[None] * nC
+        return (dg, *[None] * 7, *dws, *dgates, *gS, *dP, *[None] * (len(cand) + len(ys) + len(betas) + len(rhos)))
 
 # -----------------------------------------------------------------------------
 # compiled: custom operations, forward and backward, opaque to the compiler
@@ -560,12 +595,13 @@ class DepthRead(torch.autograd.Function):
 @torch.library.custom_op('dar::fused_read', mutates_args=())
 def _read(ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int, routes: list[int],
           gates: list[torch.Tensor], eps: float, scale: float, handles: list[torch.Tensor],
-          partials: list[torch.Tensor]) -> list[torch.Tensor]:
+          partials: list[torch.Tensor], ys: list[torch.Tensor], betas: list[torch.Tensor], rhos: list[torch.Tensor],
+          lengths: list[int], replayed: list[int]) -> list[torch.Tensor]:
     x, a, s, rms = read_forward(ws, g, cand, R, routes, gates, eps, scale)
     return [x, a, s, rms, *[passed_on(S) for S in handles]]
 
 @_read.register_fake
-def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials):
+def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, betas, rhos, lengths, replayed):
     v = cand[0]
     x = v.new_empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32))
     a, s = (x.new_empty((len(ws), R, *v.shape[:-1])) for _ in range(2))
@@ -573,37 +609,45 @@ def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials):
     return [x, a, s, rms, *[passed_on(S) for S in handles]]
 
 @torch.library.custom_op('dar::fused_read_backward', mutates_args=())
-def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int,
+def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, kept: list[torch.Tensor], R: int,
                    routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rms: torch.Tensor,
-                   dS: list[torch.Tensor], scale: float) -> list[torch.Tensor]:
+                   dS: list[torch.Tensor], scale: float, ys: list[torch.Tensor], betas: list[torch.Tensor],
+                   rhos: list[torch.Tensor], lengths: list[int], replayed: list[int]) -> list[torch.Tensor]:
+    cand = assemble(kept, replay(ys, betas, rhos, lengths), R, len(dS), replayed)
     dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale)
     # (a custom operation's outputs are tensors of their own: the kernel's rows are views)
     return [*[t.clone() for t in dws], dg, *[t.clone() for t in dgates], *gS, *dP]
 
 @_read_backward.register_fake
-def _(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale):
-    partial = [torch.empty_like(cand[0]) for _ in dS] if dS[0].size(0) < R else []
+def _(dx, ws, g, kept, R, routes, gates, a, s, rms, dS, scale, ys, betas, rhos, lengths, replayed):
+    # (kept[0] is e, H^j_0: never made again)
+    partial = [torch.empty_like(kept[0]) for _ in dS] if dS[0].size(0) < R else []
     return ([torch.empty_like(w) for w in ws] + [torch.empty_like(g)] + [torch.empty_like(t) for t in gates]
             + [torch.empty_like(d) for d in dS] + partial)
 
 def _setup_context(ctx, inputs, output):
-    ws, g, cand, R, routes, gates, eps, scale, handles, partials = inputs
-    ctx.save_for_backward(g, *output[1:4], *ws, *gates, *cand)
+    ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, betas, rhos, lengths, replayed = inputs
+    kept = [c for i, c in enumerate(cand) if i % R not in replayed] # the others: made again
+    ctx.save_for_backward(g, *output[1:4], *ws, *gates, *kept, *ys, *betas, *rhos)
     ctx.mark_non_differentiable(*output[1:4])
-    ctx.R, ctx.routes, ctx.counts, ctx.scale = R, routes, (len(ws), len(gates), len(handles), len(partials), len(cand)), scale
+    ctx.R, ctx.routes, ctx.scale, ctx.lengths, ctx.replayed = R, routes, scale, lengths, replayed
+    ctx.counts = (len(ws), len(gates), len(kept), len(ys), len(betas), len(rhos), len(handles), len(partials), len(cand))
 
 def _backward(ctx, grads):
     g, a, s, rms, *rest = ctx.saved_tensors
-    Tn, nG, S, nP, nC = ctx.counts
-    ws, gates, cand = split(rest, (Tn, nG, nC))
-    out = _read_backward(grads[0], ws, g, cand, ctx.R, ctx.routes, gates, a, s, rms, list(grads[4:]), ctx.scale)
+    Tn, nG, nK, nY, nB, nR, S, nP, nC = ctx.counts
+    ws, gates, kept, ys, betas, rhos = split(rest, (Tn, nG, nK, nY, nB, nR))
+    out = _read_backward(grads[0], ws, g, kept, ctx.R, ctx.routes, gates, a, s, rms, list(grads[4:]), ctx.scale,
+                         ys, betas, rhos, ctx.lengths, ctx.replayed)
     dws, dg, dgates, gS, dP = split(out, (Tn, 1, nG, S, nP))
     # the candidates get no gradient as data: it runs through the handles and partials
-    return dws, dg[0], [None] * nC, None, None, dgates, None, None, gS, dP
+    # (a list of ints takes None, but an empty one [], as an empty list of tensors would)
+    ints = [None if x else [] for x in (ctx.lengths, ctx.replayed)]
+    return (dws, dg[0], [None] * nC, None, None, dgates, None, None, gS, dP, [None] * nY, [None] * nB, [None] * nR, *ints)
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
+def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=None):
     """x = scale sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the
     targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
     (data: their gradients run through handles and partials); keys, values: per target, the stream
@@ -611,7 +655,9 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
     gates: per target, or None; handles: per stream, the handle of its committed candidates (a
     stream with more candidates than its handle has entries ends in its partial block); eps: the key
     norm's; scale: a number (inside the operation, so that the code compiled around it is the same
-    for every R). Returns x, the weights a (J, R, B, T) and the handles."""
+    for every R); steps: DAR's, per candidate r the writes (y, beta, rho) that made it (e: none):
+    made by at most REPLAY, backward makes it again, so it is not kept. Returns x, the weights a
+    (J, R, B, T) and the handles."""
     stream = lambda c: [c is c_j for c_j in cand].index(True)
     routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
     R, flat, gates = len(cand[0]), sum(cand, []), gates or []
@@ -621,11 +667,14 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0):
         x, a, _, _ = read(ws, g, flat, R, routes, gates, eps, scale)
         return x, a, handles
     partials = [c[-1] for c in cand] if R > handles[0].size(0) else [] # more than the committed
+    replayed = [r for r in range(R) if steps and 0 < len(steps[r]) <= REPLAY]
+    ys, betas, rhos, lengths = recipe([steps[r] for r in replayed])
     if torch.compiler.is_compiling():
-        out = _read(ws, g, flat, R, routes, gates, eps, float(scale), handles, partials)
+        out = _read(ws, g, flat, R, routes, gates, eps, float(scale), handles, partials, ys, betas, rhos, lengths, replayed)
     else:
-        counts = (len(ws), len(gates), len(handles), len(partials), len(flat))
-        out = DepthRead.apply(g, R, routes, eps, scale, counts, *ws, *gates, *handles, *partials, *flat)
+        counts = (len(ws), len(gates), len(handles), len(partials), len(flat), len(ys), len(betas), len(rhos))
+        out = DepthRead.apply(g, R, routes, eps, scale, counts, lengths, replayed, *ws, *gates, *handles, *partials, *flat,
+                              *ys, *betas, *rhos)
     return out[0], out[1], list(out[4:])
 
 # -----------------------------------------------------------------------------
@@ -690,61 +739,79 @@ def write_backward(P, y, beta, rho, d):
 class Write(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y, beta, rho, *P):
-        ctx.save_for_backward(y, beta, rho, *P)
-        return tuple(write_forward(list(P), y, beta, rho))
+    def forward(ctx, y, beta, rho, counts, *tensors):
+        P, ys, betas, rhos = split(tensors, counts)
+        made_again = bool(ys) # P from the writes ys: not kept
+        ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if made_again else P))
+        ctx.counts = (len(ys), len(betas), len(rhos)) if made_again else None
+        ctx.n_recipe = len(ys) + len(betas) + len(rhos)
+        return tuple(write_forward(P, y, beta, rho))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d0, d1):
         y, beta, rho, *P = ctx.saved_tensors
+        if ctx.counts is not None:
+            P = replay(*split(P, ctx.counts), [ctx.counts[0]])[0]
         dP, dy, dbeta, drho = write_backward(P, y, beta, rho, [d0, d1])
-        return dy, dbeta, drho, *dP
+        return dy, dbeta, drho, None, *dP, *[None] * ctx.n_recipe
 
 @torch.library.custom_op('dar::write', mutates_args=())
-def _write(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor]) -> list[torch.Tensor]:
+def _write(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
+           ys: list[torch.Tensor], betas: list[torch.Tensor], rhos: list[torch.Tensor]) -> list[torch.Tensor]:
     return write_forward(P, y, beta, rho)
 
 @_write.register_fake
-def _(P, y, beta, rho):
+def _(P, y, beta, rho, ys, betas, rhos):
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in write_inputs(P, y, beta, rho)])
     return [y.new_empty(y.shape, dtype=dtype) for _ in range(2)]
 
 @torch.library.custom_op('dar::write_backward', mutates_args=())
 def _write_backward(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
-                    d: list[torch.Tensor]) -> list[torch.Tensor]:
+                    d: list[torch.Tensor], ys: list[torch.Tensor], betas: list[torch.Tensor],
+                    rhos: list[torch.Tensor]) -> list[torch.Tensor]:
+    P = replay(ys, betas, rhos, [len(ys)])[0] if ys else P # ys: P made again from its writes
     dP, dy, dbeta, drho = write_backward(P, y, beta, rho, d)
     return [*dP, dy, dbeta, *([] if drho is None else [drho])]
 
 @_write_backward.register_fake
-def _(P, y, beta, rho, d):
+def _(P, y, beta, rho, d, ys, betas, rhos):
+    if ys: # P made again: write_forward's dtype over its writes
+        P = 2 * [y.new_empty(y.shape, dtype=functools.reduce(torch.promote_types, [t.dtype for t in ys + betas + rhos]))]
     return [torch.empty_like(t) for t in write_inputs(P, y, beta, rho)]
 
 def _write_setup(ctx, inputs, output):
-    P, y, beta, rho = inputs
-    ctx.save_for_backward(y, beta, rho, *P)
+    P, y, beta, rho, ys, betas, rhos = inputs
+    made_again = bool(ys) # P from the writes ys: not kept
+    ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if made_again else P))
+    ctx.counts = (len(ys), len(betas), len(rhos)) if made_again else (0, 0, 0)
+    ctx.n = (len(P), len(ys), len(betas), len(rhos))
 
 def _write_grad(ctx, d):
-    y, beta, rho, *P = ctx.saved_tensors
-    out = _write_backward(P, y, beta, rho, list(d))
-    n = len(P)
-    return out[:n], out[n], out[n + 1], out[n + 2] if P else None
+    y, beta, rho, *rest = ctx.saved_tensors
+    ys, betas, rhos = split(rest, ctx.counts) if ctx.counts[0] else ([], [], [])
+    P = [] if ctx.counts[0] else rest
+    out = _write_backward(P, y, beta, rho, list(d), ys, betas, rhos)
+    n, nY, nB, nR = ctx.n
+    return out[:n], out[n], out[n + 1], out[n + 2] if n else None, [None] * nY, [None] * nB, [None] * nR
 
 _write.register_autograd(_write_grad, setup_context=_write_setup)
 
-def write(P, y, beta, rho):
+def write(P, y, beta, rho, steps=()):
     """model.dar_write as one operation: the partials P ([P^0, P^1], or None where a block starts),
     the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
     of one); compiled for training, beta and rho are depth_op.rows' (their code is every
-    sublayer's). Returns [P^0', P^1']."""
+    sublayer's). steps: the writes (y, beta, rho) that made P: at most REPLAY, backward makes P
+    again from them (for rho's gradient), so P is not kept. Returns [P^0', P^1']."""
     P = P or []
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return write_torch(P, y, beta, rho) # inference: traced, fused with its neighbours
-    if torch.compiler.is_compiling():
-        return _write(P, y, beta, rho)
     if not torch.is_grad_enabled():
         return write_forward(P, y, beta, rho)
-    return list(Write.apply(y, beta, rho, *P))
+    ys, betas, rhos, _ = recipe([steps] if P and len(steps) <= REPLAY else [])
+    if torch.compiler.is_compiling():
+        return _write(P, y, beta, rho, ys, betas, rhos)
+    return list(Write.apply(y, beta, rho, (len(P), len(ys), len(betas), len(rhos)), *P, *ys, *betas, *rhos))
 
 # -----------------------------------------------------------------------------
 # the handles

@@ -331,21 +331,22 @@ class DepthState:
         self.include_partial = include_partial
         self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
         self.handle = [depth_op.grow(None, e) for _ in range(streams)]
+        self.steps = [[], []] # DAR: the writes (y_l, beta_l, rho_l) that made each H^j_r, then P^j
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
         for j, p in enumerate(self.P):
             self.H[j].append(p)
             self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
-        self.P = None
+        self.P, self.steps = None, self.steps + [[]]
 
     def candidates(self):
         # C^j = H^j, plus P^j once the block has a write (if include_partial)
         return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
     def fused_read(self, C, queries, g, keys, values, fusion=None, scale=1):
-        """depth_read(queries, g, keys, values, fusion, scale), above, as one operation on C"""
-        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale)
+        """depth_read(queries, g, keys, values, fusion, scale), one operation on C (and self.steps)"""
+        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale, self.steps)
         return x, weights
 
 class AttnRes(nn.Module):
@@ -388,8 +389,7 @@ ROUTES = { # dar_routing -> (key_streams, value_streams), each indexed by the ta
 
 class DAR(nn.Module):
     """Dual Attention Residuals: streams j (history H^j, partial P^j); target j reads keys of the
-    other stream, values of its own. GPT.forward: s = begin(e); l < L: read, write; read(s, L).
-    Its logits are naive_dar's (test_model.py: equations.md in one loop; K = 2 included)."""
+    other stream, values of its own. Its logits are naive_dar's (test_model.py; K = 2 included)."""
 
     def __init__(self, config):
         super().__init__()
@@ -424,15 +424,14 @@ class DAR(nn.Module):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
         C = s.candidates() # C[j] = C^j: H^j, plus P^j if include_partial and the block has a write
-        N = len(C[0]) # candidates per stream
         # cross (DAR): target j's keys C^{1-j}: [C^1, C^0]; values C^j: [C^0, C^1] (others: ROUTES)
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r ; w^j_l = s.w[l][j]
         # x_l = alpha_l h^0 + (1 - alpha_l) h^1 ; s.fusion[l] = (alpha_l, 1 - alpha_l) ; returns
-        # N x_l [R]: at zero-init queries a sum over depth, not a mean that Norm_l's eps damps.
+        # N x_l [R], N = len(C[0]): at zero-init queries a sum over depth, not a mean eps damps.
         # s.fused_read: depth_read as one operation, the same loss and gradients in fp64 (K = 2:
         # test_depth_op_equals_the_readable_reads_in_fp64[dar-cross-block-True-2-kernel])
-        Nx, weights = s.fused_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], N)
+        Nx, weights = s.fused_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], len(C[0]))
         return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
@@ -452,7 +451,8 @@ class DAR(nn.Module):
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
         # from the old P; P None: P^j <- beta^j y_l. depth_op.write: dar_write as one operation
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l]) # beta_l (2, n_embd), rho_l: of begin
+        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1]) # rows of begin
+        s.steps[-1].append((y, s.beta[l], s.rho[l])) # P's writes: backward makes P again from them
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit() # H^j.append(P^j) ; P^j = 0 (P = None); the handles carry no values
