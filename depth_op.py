@@ -5,9 +5,10 @@ values and gradients (test_model.py compares them in fp64), the read built so th
 - one call reads J targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
 - backward keeps only the weights and scores (J, R, B, T) and the rms (S, R, B, T), besides the
-  candidates: no temporary of the model's width. A DAR candidate made by at most REPLAY writes is
-  not kept either: backward makes it again from their outputs y, which the writes keep anyway
-  (beta's gradient), and so does the write's backward for its partials (rho's gradient);
+  candidates: no temporary of the model's width. A DAR candidate given with the writes that made
+  it (model.py: blocks of at most 2) is not kept either: backward makes it again from their
+  outputs y, which the writes keep anyway (beta's gradient), as the write's backward makes its
+  partials again (rho's gradient);
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
 - it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
   kernels on CUDA (tested on CPU in Triton's interpreter), torch ops elsewhere. So does the write.
@@ -535,8 +536,6 @@ def split(tensors, counts):
 # -----------------------------------------------------------------------------
 # DAR's partials and entries made again in backward from the writes that made them, instead of kept
 
-REPLAY = 2 # a candidate made by at most this many writes (all of them at depth_block <= 2)
-
 def recipe(steps):
     """Flat ys, betas, rhos and lengths of lists of writes (y, beta, rho), each list the writes that
     made one candidate; a list's first write met no partial, so its rho is not needed."""
@@ -655,9 +654,9 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=
     gates: per target, or None; handles: per stream, the handle of its committed candidates (a
     stream with more candidates than its handle has entries ends in its partial block); eps: the key
     norm's; scale: a number (inside the operation, so that the code compiled around it is the same
-    for every R); steps: DAR's, per candidate r the writes (y, beta, rho) that made it (e: none):
-    made by at most REPLAY, backward makes it again, so it is not kept. Returns x, the weights a
-    (J, R, B, T) and the handles."""
+    for every R); steps: per candidate r, the writes (y, beta, rho) that made it, or none: given,
+    backward makes it again from them, so it is not kept. Returns x, the weights a (J, R, B, T)
+    and the handles."""
     stream = lambda c: [c is c_j for c_j in cand].index(True)
     routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
     R, flat, gates = len(cand[0]), sum(cand, []), gates or []
@@ -667,7 +666,7 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=
         x, a, _, _ = read(ws, g, flat, R, routes, gates, eps, scale)
         return x, a, handles
     partials = [c[-1] for c in cand] if R > handles[0].size(0) else [] # more than the committed
-    replayed = [r for r in range(R) if steps and 0 < len(steps[r]) <= REPLAY]
+    replayed = [r for r in range(R) if steps and steps[r]]
     ys, betas, rhos, lengths = recipe([steps[r] for r in replayed])
     if torch.compiler.is_compiling():
         out = _read(ws, g, flat, R, routes, gates, eps, float(scale), handles, partials, ys, betas, rhos, lengths, replayed)
@@ -801,14 +800,14 @@ def write(P, y, beta, rho, steps=()):
     """model.dar_write as one operation: the partials P ([P^0, P^1], or None where a block starts),
     the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
     of one); compiled for training, beta and rho are depth_op.rows' (their code is every
-    sublayer's). steps: the writes (y, beta, rho) that made P: at most REPLAY, backward makes P
+    sublayer's). steps: the writes (y, beta, rho) that made P, or none: given, backward makes P
     again from them (for rho's gradient), so P is not kept. Returns [P^0', P^1']."""
     P = P or []
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return write_torch(P, y, beta, rho) # inference: traced, fused with its neighbours
     if not torch.is_grad_enabled():
         return write_forward(P, y, beta, rho)
-    ys, betas, rhos, _ = recipe([steps] if P and len(steps) <= REPLAY else [])
+    ys, betas, rhos, _ = recipe([steps] if P and steps else [])
     if torch.compiler.is_compiling():
         return _write(P, y, beta, rho, ys, betas, rhos)
     return list(Write.apply(y, beta, rho, (len(P), len(ys), len(betas), len(rhos)), *P, *ys, *betas, *rhos))

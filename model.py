@@ -331,7 +331,7 @@ class DepthState:
         self.include_partial = include_partial
         self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
         self.handle = [depth_op.grow(None, e) for _ in range(streams)]
-        self.steps = [[], []] # DAR: the writes (y_l, beta_l, rho_l) that made each H^j_r, then P^j
+        self.steps = [[], []] # DAR, K <= 2: the writes (y_l, beta_l, rho_l) of each H^j_r, then P^j
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
@@ -345,7 +345,6 @@ class DepthState:
         return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
     def fused_read(self, C, queries, g, keys, values, fusion=None, scale=1):
-        """depth_read(queries, g, keys, values, fusion, scale), one operation on C (and self.steps)"""
         x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale, self.steps)
         return x, weights
 
@@ -452,7 +451,8 @@ class DAR(nn.Module):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
         # from the old P; P None: P^j <- beta^j y_l. depth_op.write: dar_write as one operation
         s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1]) # rows of begin
-        s.steps[-1].append((y, s.beta[l], s.rho[l])) # P's writes: backward makes P again from them
+        if self.K <= 2: # short blocks: backward makes P^j, H^j_r again from these (y_l kept anyway)
+            s.steps[-1].append((y, s.beta[l], s.rho[l]))
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit() # H^j.append(P^j) ; P^j = 0 (P = None); the handles carry no values
