@@ -331,7 +331,7 @@ class DepthState:
         self.include_partial = include_partial
         self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
         self.handle = [depth_op.grow(None, e) for _ in range(streams)]
-        self.steps = [[], []] # DAR, K <= 2: the writes (y_l, beta_l, rho_l) of each H^j_r, then P^j
+        self.steps = [[], []] # steps[r]: the writes (y_l, beta_l, rho_l) of H^j_r; steps[-1]: P^j's
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0

@@ -487,7 +487,7 @@ def needs_interpreter():
 
 @pytest.mark.parametrize('body', ['kernel', 'torch', 'triton'])
 @pytest.mark.parametrize('name, include_partial, K', [(n, p, None) for n in DEPTH for p in (True, False)]
-                         + [('attnres-block', True, 2), ('dar-cross-block', True, 2)]) # K = 2: train.py's
+                         + [('attnres-block', True, 2), ('dar-cross-block', True, 2), ('dar-cross-block', False, 2)]) # K = 2: train.py's
 def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, K, body, monkeypatch):
     """Every path, routing, K (1, 4 over 6 sublayers, and train.py's 2) and partial on / off: the
     loss and every gradient of the model that runs depth_op (depth_op.cpp, its torch-ops body, or
