@@ -740,20 +740,18 @@ class Write(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, beta, rho, counts, *tensors):
         P, ys, betas, rhos = split(tensors, counts)
-        made_again = bool(ys) # P from the writes ys: not kept
-        ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if made_again else P))
-        ctx.counts = (len(ys), len(betas), len(rhos)) if made_again else None
-        ctx.n_recipe = len(ys) + len(betas) + len(rhos)
+        ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if ys else P)) # ys: P made again, not kept
+        ctx.counts = counts
         return tuple(write_forward(P, y, beta, rho))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d0, d1):
-        y, beta, rho, *P = ctx.saved_tensors
-        if ctx.counts is not None:
-            P = replay(*split(P, ctx.counts), [ctx.counts[0]])[0]
+        y, beta, rho, *kept = ctx.saved_tensors
+        nP, nY, nB, nR = ctx.counts
+        P = replay(*split(kept, (nY, nB, nR)), [nY])[0] if nY else kept
         dP, dy, dbeta, drho = write_backward(P, y, beta, rho, [d0, d1])
-        return dy, dbeta, drho, None, *dP, *[None] * ctx.n_recipe
+        return dy, dbeta, drho, None, *dP, *[None] * (nY + nB + nR)
 
 @torch.library.custom_op('dar::write', mutates_args=())
 def _write(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
@@ -781,17 +779,14 @@ def _(P, y, beta, rho, d, ys, betas, rhos):
 
 def _write_setup(ctx, inputs, output):
     P, y, beta, rho, ys, betas, rhos = inputs
-    made_again = bool(ys) # P from the writes ys: not kept
-    ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if made_again else P))
-    ctx.counts = (len(ys), len(betas), len(rhos)) if made_again else (0, 0, 0)
-    ctx.n = (len(P), len(ys), len(betas), len(rhos))
+    ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if ys else P)) # ys: P made again, not kept
+    ctx.counts = (len(P), len(ys), len(betas), len(rhos))
 
 def _write_grad(ctx, d):
-    y, beta, rho, *rest = ctx.saved_tensors
-    ys, betas, rhos = split(rest, ctx.counts) if ctx.counts[0] else ([], [], [])
-    P = [] if ctx.counts[0] else rest
-    out = _write_backward(P, y, beta, rho, list(d), ys, betas, rhos)
-    n, nY, nB, nR = ctx.n
+    y, beta, rho, *kept = ctx.saved_tensors
+    n, nY, nB, nR = ctx.counts
+    ys, betas, rhos = split(kept, (nY, nB, nR)) # all empty where P was kept
+    out = _write_backward([] if nY else kept, y, beta, rho, list(d), ys, betas, rhos)
     return out[:n], out[n], out[n + 1], out[n + 2] if n else None, [None] * nY, [None] * nB, [None] * nR
 
 _write.register_autograd(_write_grad, setup_context=_write_setup)
