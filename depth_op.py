@@ -6,7 +6,7 @@ values and gradients (test_model.py compares them in fp64), the read built so th
   candidates, each stream read once per pass;
 - backward keeps only the weights and scores (J, R, B, T) and the rms (S, R, B, T), besides the
   candidates: no temporary of the model's width. A DAR candidate given with the writes that made
-  it (model.py: blocks of at most 2) is not kept either: backward makes it again from their
+  it (model.py: blocks of 2) is not kept either: backward makes it again from their
   outputs y, which the writes keep anyway (beta's gradient), as the write's backward makes its
   partials again (rho's gradient);
 - torch.compile sees every read as one call, of any depth, and generates no code for it;

@@ -451,7 +451,7 @@ class DAR(nn.Module):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
         # from the old P; P None: P^j <- beta^j y_l. depth_op.write: dar_write as one operation
         s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1]) # rows of begin
-        if self.K <= 2: # short blocks: backward makes P^j, H^j_r again from these (y_l kept anyway)
+        if self.K == 2: # blocks of 2: backward makes P^j, H^j_r again from these (y_l kept anyway)
             s.steps[-1].append((y, s.beta[l], s.rho[l]))
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
