@@ -394,7 +394,7 @@ class DAR(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: 1 - j, j
+        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: (1, 0), (0, 1)
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -411,7 +411,7 @@ class DAR(nn.Module):
 
     def begin(self, e):
         s = DepthState(e, 2, self.include_partial) # s.H = [H^0, H^1] = [[e], [e]] [R]; s.P = None
-        # s.w[l][j] = query[l, j], s.g[l] = key_norm[l]: rows as tensors of their own (test_rows)
+        # s.w[l][j] = query[l, j], s.g[l] = key_norm[l], each (n_embd,): a tensor (test_rows)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
         s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
