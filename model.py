@@ -324,8 +324,8 @@ def dar_write(P, y, beta, rho):
     return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
 
 class DepthState:
-    """What AttnRes and DAR carry, per stream j: the history H^j, the partial block P^j (None: 0),
-    and handle[j], no data: each read's backward adds H^j's gradient to it at once (depth_op.py)"""
+    """AttnRes's and DAR's state: per stream j the history H^j and partial P^j (None: 0). fused_read
+    is depth_read, one operation; handle[j] (no data) and steps serve backward only (depth_op.py)"""
 
     def __init__(self, e, streams, include_partial):
         self.include_partial = include_partial
