@@ -555,10 +555,10 @@ def replay(ys, betas, rhos, lengths):
         made.append(P)
     return made
 
-def assemble(kept, made, R, S, replayed):
-    """The flat candidates (stream j's r at j * R + r): made[i][j] where r = replayed[i], else the
-    next kept one."""
-    kept = iter(kept)
+def assemble(kept, R, S, replayed, ys, betas, rhos, lengths):
+    """The flat candidates (stream j's r at j * R + r): where r = replayed[i], made[i][j], made again
+    by replay from the writes; else the next kept one."""
+    made, kept = replay(ys, betas, rhos, lengths), iter(kept)
     return [made[replayed.index(r)][j] if r in replayed else next(kept) for j in range(S) for r in range(R)]
 
 # -----------------------------------------------------------------------------
@@ -582,8 +582,7 @@ class DepthRead(torch.autograd.Function):
     def backward(ctx, dx, da, ds, drms, *dS):
         g, a, s, rms, *rest = ctx.saved_tensors
         ws, gates, kept, ys, betas, rhos = split(rest, ctx.counts)
-        made = replay(ys, betas, rhos, ctx.lengths)
-        cand = assemble(kept, made, ctx.R, len(dS), ctx.replayed)
+        cand = assemble(kept, ctx.R, len(dS), ctx.replayed, ys, betas, rhos, ctx.lengths)
         dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rms, list(dS), ctx.scale,
                                                    in_place=True)
         return (dg, *[None] * 7, *dws, *dgates, *gS, *dP, *[None] * (len(cand) + len(ys) + len(betas) + len(rhos)))
@@ -612,7 +611,7 @@ def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, ke
                    routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rms: torch.Tensor,
                    dS: list[torch.Tensor], scale: float, ys: list[torch.Tensor], betas: list[torch.Tensor],
                    rhos: list[torch.Tensor], lengths: list[int], replayed: list[int]) -> list[torch.Tensor]:
-    cand = assemble(kept, replay(ys, betas, rhos, lengths), R, len(dS), replayed)
+    cand = assemble(kept, R, len(dS), replayed, ys, betas, rhos, lengths)
     dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale)
     # (a custom operation's outputs are tensors of their own: the kernel's rows are views)
     return [*[t.clone() for t in dws], dg, *[t.clone() for t in dgates], *gS, *dP]
