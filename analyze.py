@@ -96,12 +96,12 @@ class Probe:
 
     def recording(self, s):
         """The AttnRes state s, each of its depth reads' weights recorded; its history kept."""
-        read = s.fused_read
+        read = s.depth_read
         def recorded(*args, **kwargs):
             x, weights = read(*args, **kwargs)
             self.weights.append(weights[0].detach())
             return x, weights
-        s.fused_read, self.H = recorded, s.H
+        s.depth_read, self.H = recorded, s.H
         return s
 
     def __call__(self, l, s, h, weights):

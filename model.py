@@ -1,8 +1,7 @@
-"""
-dar-gpt: one GPT, four residual paths: standard (pre-norm GPT-2), attnres, mhc and dar. The L =
-2*n_layer sublayers keep their pre-norms; a path makes sublayer l's input and takes its output y_l:
-begin(e) -> s; read(s, l) -> Norm_l's input; write(s, l, y_l) -> s. The comment above a line is
-the equation it computes (../shared/design/equations.md; [R]: a DAR detail we reconstructed)."""
+"""dar-gpt: one GPT, four residual paths (standard pre-norm GPT-2, attnres, mhc, dar). A path gives
+each of the L = 2*n_layer sublayers its input and takes its output y_l: begin(e) -> s; read(s, l)
+-> Norm_l's input; write(s, l, y_l) -> s. The comment above a line is the equation it computes
+(../shared/design/equations.md; [R]: a DAR detail we reconstructed)."""
 
 import math
 from dataclasses import dataclass
@@ -299,7 +298,7 @@ RMS_EPS = 1e-6 # the depth reads' key RMSNorm (and mHC's, of its streams)
 
 def depth_read(queries, g, keys, values, fusion, scale):
     """Target t reads R keys[t], values[t] (B, T, n_embd), query queries[t]; g: RMSNorm's weight.
-    As one operation: DepthState.fused_read (test_depth_op_equals_the_readable_reads_in_fp64)."""
+    The model runs it as written or (DepthState.fused) as one operation: DepthState.depth_read."""
     x, weights = 0, []
     for t, (w, keys_t, values_t) in enumerate(zip(queries, keys, values)):
         # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6; scores in fp32
@@ -324,13 +323,13 @@ def dar_write(P, y, beta, rho):
     return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
 
 class DepthState:
-    """AttnRes's and DAR's state: per stream j the history H^j and partial P^j (None: 0). fused_read
-    is depth_read, one operation; handle[j] (no data) and steps serve backward only (depth_op.py)"""
+    """AttnRes's and DAR's state: per stream j the history H^j and partial P^j (None: 0)."""
+    fused = True # the reads (and DAR's writes) as depth_op's operations; False: as written
 
     def __init__(self, e, streams, include_partial):
         self.include_partial = include_partial
         self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
-        self.handle = [depth_op.grow(None, e) for _ in range(streams)]
+        self.handle = [depth_op.grow(None, e) for _ in range(streams)] # fused: H^j's gradient
         self.steps = [[], []] # steps[r]: the writes (y_l, beta_l, rho_l) of H^j_r; steps[-1]: P^j's
 
     def commit(self):
@@ -344,7 +343,9 @@ class DepthState:
         # C^j = H^j, plus P^j once the block has a write (if include_partial)
         return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
-    def fused_read(self, C, queries, g, keys, values, fusion=None, scale=1):
+    def depth_read(self, C, queries, g, keys, values, fusion=None, scale=1):
+        if not self.fused: # as written (fused: test_depth_op_equals_the_readable_reads_in_fp64)
+            return depth_read(queries, g, keys, values, fusion, scale)
         x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale, self.steps)
         return x, weights
 
@@ -356,8 +357,7 @@ class AttnRes(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        # row l < L is sublayer l's, row L the final read's
-        self.query = nn.Parameter(torch.zeros(L + 1, n_embd)) # w_l, zero-init: uniform at step 0
+        self.query = nn.Parameter(torch.zeros(L + 1, n_embd)) # w_l (L: final read), zero-init
         self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
 
     def begin(self, e):
@@ -368,7 +368,7 @@ class AttnRes(nn.Module):
     def read(self, s, l):
         V = s.candidates()[0] # [b_0, .., b_{n-1}, b_n^{i-1}]
         # N x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R: N = |V|, as DAR.read]: depth_read
-        return s.fused_read([V], [s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
+        return s.depth_read([V], [s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -426,18 +426,16 @@ class DAR(nn.Module):
         # cross (DAR): target j's keys C^{1-j}: [C^1, C^0]; values C^j: [C^0, C^1] (others: ROUTES)
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
         # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r ; w^j_l = s.w[l][j]
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 ; s.fusion[l] = (alpha_l, 1 - alpha_l) ; returns
-        # N x_l [R], N = len(C[0]): at zero-init queries a sum over depth, not a mean eps damps.
-        # s.fused_read: depth_read as one operation, the same loss and gradients in fp64 (K = 2:
-        # test_depth_op_equals_the_readable_reads_in_fp64[dar-cross-block-True-2-kernel])
-        Nx, weights = s.fused_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], len(C[0]))
+        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 ; s.fusion[l] = (alpha_l, 1 - alpha_l)
+        # returns N x_l, N = len(C[0]) [R]: at zero queries a sum over depth (no eps damping)
+        Nx, weights = s.depth_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], len(C[0]))
         return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
         """N h^0, N h^1 apart, their weights (2, N, B, T): SepV's reads, and analyze.py's."""
         C = s.candidates()
         keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
-        h, weights = zip(*[s.fused_read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
+        h, weights = zip(*[s.depth_read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
@@ -449,8 +447,10 @@ class DAR(nn.Module):
 
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        # from the old P; P None: P^j <- beta^j y_l. depth_op.write: dar_write as one operation
-        s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1]) # rows of begin
+        if s.fused: # dar_write as one operation (test_dar_write_operation_equals_its_definition)
+            s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1])
+        else:
+            s.P = dar_write(s.P, y, s.beta[l], s.rho[l])
         if self.K == 2: # blocks of 2: backward makes P^j, H^j_r again from these (y_l kept anyway)
             s.steps[-1].append((y, s.beta[l], s.rho[l]))
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j

@@ -265,9 +265,18 @@ def test_matches_naive_reference(name, include_partial):
     model = make(name, include_partial=include_partial)
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        got = full_logits(model, idx)
         want = (naive_residual if name == 'standard+moe' else NAIVE[model.config.residual])(model, idx)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_logits_both_ways(model, idx, want)
+
+def assert_logits_both_ways(model, idx, want):
+    """The model's logits equal want, computed without autograd (inference) and with it (the
+    training path: depth_op's operations as autograd functions, the writes recorded)."""
+    with torch.no_grad():
+        inference = full_logits(model, idx)
+    training = full_logits(model, idx)
+    assert training.requires_grad
+    for got in (inference, training.detach()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 @pytest.mark.parametrize('name', ['attnres-block', 'dar-cross-block'])
 def test_matches_naive_reference_with_train_pys_blocks_of_two(name):
@@ -275,8 +284,8 @@ def test_matches_naive_reference_with_train_pys_blocks_of_two(name):
     model = make(name, depth_block=2)
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        got, want = full_logits(model, idx), NAIVE[model.config.residual](model, idx)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        want = NAIVE[model.config.residual](model, idx)
+    assert_logits_both_ways(model, idx, want)
 
 def test_standard_state_dict_names_are_nanogpts():
     model = GPT(tiny(n_layer=1, bias=True))
@@ -451,14 +460,9 @@ def test_gradient_reaches_every_parameter(name):
 
 DEPTH = [n for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar') and '+moe' not in n]
 
-def readable_reads(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=None):
-    """depth_op.fused_read by its definition, model.depth_read."""
-    return *model_module.depth_read(ws, g, keys, values, gates, scale), handles
-
 def use_readable(monkeypatch):
-    """The model runs the readable definitions in place of depth_op's operations."""
-    monkeypatch.setattr(depth_op, 'fused_read', readable_reads)
-    monkeypatch.setattr(depth_op, 'write', lambda P, y, beta, rho, steps=(): model_module.dar_write(P, y, beta, rho))
+    """The model runs the readable definitions, depth_read and dar_write, as written."""
+    monkeypatch.setattr(model_module.DepthState, 'fused', False)
 
 def use_torch_ops(monkeypatch):
     """depth_op's operations run their torch-ops bodies: no Triton kernel, no depth_op.cpp."""
