@@ -72,10 +72,13 @@ static void forward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, cons
 
 // The gradient of stream s's candidate r goes to gout[s * R + r]: the incoming gradient gin[s * R +
 // r] (none where null) plus this read's part, the key part of every target that reads its keys
-// there and the value part of every target that reads its values there.
+// there and the value part of every target that reads its values there. A candidate i given as
+// terms (c1[i] not null) is made here, token by token, not read: c1[i] * cand[i] + c2[i] * y2[i]
+// (c1, c2 rows of C; y2 null: no second term).
 template <typename T>
 static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, const T* dx,
-                     const T* const* cand, const T* g, const T* const* w, const int64_t* ks,
+                     const T* const* cand, const T* const* c1, const T* const* y2,
+                     const T* const* c2, const T* g, const T* const* w, const int64_t* ks,
                      const int64_t* vs, const T* const* gate, T scale, const T* a, const T* sc,
                      const T* rms, T* const* gout, const T* const* gin, T* dw, T* dg, T* dgate,
                      int threads) {
@@ -88,16 +91,32 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
         T* dgate_l = dgate_t.data() + th * Tn;
         // per target and candidate: c = ds / rms, kk = -c s / (C rms), w = gate a
         std::vector<T> cr(Tn * R), kk(Tn * R), w(Tn * R);
+        std::vector<T> made(S * R * C); // this token's rows of the candidates given as terms
+        std::vector<const T*> row(S * R);
         #pragma omp for
         for (int64_t n = 0; n < N; n++) {
             const T* dxn = dx + n * C;
+            for (int64_t i = 0; i < S * R; i++) {
+                row[i] = cand[i] + n * C;
+                if (!c1[i]) continue;
+                T* m = made.data() + i * C;
+                const T* y = row[i];
+                #pragma omp simd
+                for (int64_t c = 0; c < C; c++) m[c] = c1[i][c] * y[c];
+                if (y2[i]) {
+                    const T* y_ = y2[i] + n * C;
+                    #pragma omp simd
+                    for (int64_t c = 0; c < C; c++) m[c] += c2[i][c] * y_[c];
+                }
+                row[i] = m;
+            }
             for (int64_t t = 0; t < Tn; t++) {
                 const T gt = scale * (gate ? *gate[t] : T(1)); // the gate and the scale
                 const T* at = a + t * R * N;
                 // q_r = dx . v_r ; dgate_t = scale sum_r a_r q_r ; da_r = scale gate_t q_r
                 T sum_ad = 0;
                 for (int64_t r = 0; r < R; r++) {
-                    const T* v = cand[vs[t] * R + r] + n * C;
+                    const T* v = row[vs[t] * R + r];
                     T q = 0;
                     #pragma omp simd reduction(+:q)
                     for (int64_t c = 0; c < C; c++) q += dxn[c] * v[c];
@@ -117,7 +136,7 @@ static void backward(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C, con
             for (int64_t s = 0; s < S; s++) {
                 for (int64_t r = 0; r < R; r++) {
                     // dk_r = c_r (u - s_r k_r / (C rms_r)) for the targets keyed here ; dv_r = gate a_r dx
-                    const T* k = cand[s * R + r] + n * C;
+                    const T* k = row[s * R + r];
                     const T* in = gin[s * R + r] ? gin[s * R + r] + n * C : nullptr;
                     T* out = gout[s * R + r] + n * C;
                     T kc = 0, vc = 0;
@@ -258,13 +277,14 @@ static void write_backward(int64_t N, int64_t C, const T* P0, const T* P1, const
                    threads);                                                                       \
     }                                                                                              \
     extern "C" void backward_##name(int64_t S, int64_t R, int64_t Tn, int64_t N, int64_t C,        \
-                                    const T* dx, const T* const* cand, const T* g,                 \
+                                    const T* dx, const T* const* cand, const T* const* c1,         \
+                                    const T* const* y2, const T* const* c2, const T* g,            \
                                     const T* const* w, const int64_t* ks, const int64_t* vs,       \
                                     const T* const* gate, double scale, const T* a, const T* sc,   \
                                     const T* rms, T* const* gout, const T* const* gin, T* dw,      \
                                     T* dg, T* dgate, int threads) {                                \
-        backward<T>(S, R, Tn, N, C, dx, cand, g, w, ks, vs, gate, T(scale), a, sc, rms, gout, gin, \
-                    dw, dg, dgate, threads);                                                       \
+        backward<T>(S, R, Tn, N, C, dx, cand, c1, y2, c2, g, w, ks, vs, gate, T(scale), a, sc, rms,  \
+                    gout, gin, dw, dg, dgate, threads);                                            \
     }                                                                                              \
     extern "C" void write_forward_##name(int64_t N, int64_t C, const T* P0, const T* P1,           \
                                          const T* y, const T* b0, const T* b1, const T* rho,       \

@@ -138,11 +138,20 @@ if triton is not None:
         given = offs * 0 + addr != 0 # (as a block: the interpreter takes no scalar in a mask)
         return tl.load(addr.to(tl.pointer_type(DT)) + offs, mask=mask & given, other=0.0)
 
+    @triton.jit
+    def _candidate(cand, ca, yb, cb, i, offs, c, mask, C, DT: tl.constexpr):
+        """Rows offs of candidate i: the tensor at cand[i], or, given as terms (ca[i] not 0), made
+        from them: ca[i] * (the tensor at cand[i]) + cb[i] * (the tensor at yb[i]), rows of C."""
+        k = _tile(cand, i, offs, mask, DT)
+        if tl.load(ca + i) != 0:
+            k = k * _tile(ca, i, c, c < C, DT)[None, :] + _tile(cb, i, c, c < C, DT)[None, :] * _tile(yb, i, offs, mask, DT)
+        return k
+
     # one compile for every history length: Triton would specialize R (and N) at 1 and the tables'
     # addresses (views of one copy) on their alignment
-    TABLES = ['cand', 'ks', 'vs', 'gin', 'gout']
+    TABLES = ['cand', 'ca', 'yb', 'cb', 'ks', 'vs', 'gin', 'gout']
 
-    @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=TABLES[:3])
+    @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=['cand', 'ks', 'vs'])
     def _read_fwd(cand, u, ks, vs, gt, x, sc, rms, N, C, R, S, eps, TN: tl.constexpr, BN: tl.constexpr,
                   BC: tl.constexpr, DT: tl.constexpr):
         N = N.to(tl.int64) # (offsets past 2**31 at scale)
@@ -186,7 +195,7 @@ if triton is not None:
         return cr, -cr * tl.load(sc + i, mask=rows, other=0.0) / (C * rh), gt_t * ar
 
     @triton.jit(do_not_specialize=['R', 'N'], do_not_specialize_on_alignment=TABLES)
-    def _read_bwd(dx, cand, u, ks, vs, gt, a, sc, rms, gin, gout, q, sa, du, dgate, N, C, R, S,
+    def _read_bwd(dx, cand, ca, yb, cb, u, ks, vs, gt, a, sc, rms, gin, gout, q, sa, du, dgate, N, C, R, S,
                   TN: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
         # a fixed number of programs, each over every num_programs-th block of BN tokens: du and
         # dgate summed in registers, one partial per program
@@ -211,7 +220,7 @@ if triton is not None:
                 vt = tl.load(vs + t)
                 aq = tl.zeros([BN], dtype=DT)
                 for r in range(R):
-                    qr = tl.sum(d * _tile(cand, vt * R + r, offs, mask, DT), 1)
+                    qr = tl.sum(d * _candidate(cand, ca, yb, cb, vt * R + r, offs, c, mask, C, DT), 1)
                     tl.store(q + (t * R + r) * N + n, qr, mask=rows)
                     aq += tl.load(a + (t * R + r) * N + n, mask=rows, other=0.0) * qr
                 tl.store(sa + t * N + n, aq, mask=rows)
@@ -226,7 +235,7 @@ if triton is not None:
             # per candidate: out = in + dk_r + dv_r of every target keyed or valued there, and du_t
             for i in range(S * R):
                 s, r = i // R, i % R
-                k = _tile(cand, i, offs, mask, DT)
+                k = _candidate(cand, ca, yb, cb, i, offs, c, mask, C, DT)
                 out = _tile(gin, i, offs, mask, DT)
                 cr, kk, w = _coefficients(0, r, k0, g0, sa0, a, q, sc, rms, n, rows, N, C, R)
                 key, value = (k0 == s).to(DT), (v0 == s).to(DT)
@@ -374,10 +383,12 @@ def read_forward_triton(ws, g, cand, R, routes, gates, eps, scale):
     shape = (R, *cand[0].shape[:-1])
     return x, s.softmax(1).view(Tn, *shape), s.view(Tn, *shape), rms.view(S, *shape)
 
-def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rms, gin, gout, scale):
-    """dw (J, C), dg and dgate (J,); the candidates' gradients written to gout (in place: gin)."""
+def read_backward_triton(dx, ws, g, cand, terms_of, R, routes, gates, a, s, rms, gin, gout, scale):
+    """dw (J, C), dg and dgate (J,); the candidates' gradients written to gout (in place: gin). A
+    candidate with terms (y_a, c_a, y_b, c_b) is made by the kernel as it reads it (cand: y_a)."""
     S, Tn = len(cand) // R, len(ws)
     dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
+    ca, yb, cb = ([None if not p or p[i] is None else p[i].to(dtype).contiguous() for p in terms_of] for i in (1, 2, 3))
     N, C, device = cand[0].numel() // cand[0].size(-1), cand[0].size(-1), cand[0].device
     # a handle's gradient that holds no data (an expanded zero) adds nothing: no address
     gin = [None if t is None or max(t.stride()) == 0 else t.contiguous() for t in gin]
@@ -386,9 +397,9 @@ def read_backward_triton(dx, ws, g, cand, R, routes, gates, a, s, rms, gin, gout
     grid = programs(device, N, BN)
     du, dgate = a.new_empty((grid, Tn, C), dtype=dtype), a.new_empty((grid, Tn), dtype=dtype)
     # (the tensors behind the addresses held by their names here until the kernel is queued)
-    addrs, ks, vs, gin_addrs, gout_addrs = tables(device, cand, routes[0::2], routes[1::2], gin, gout)
-    args = (dx.contiguous(), addrs, u, ks, vs, gt, a.contiguous(), s.contiguous(), rms.contiguous(), gin_addrs, gout_addrs,
-            q, sa, du, dgate, N, C, R, S)
+    addrs, *made, ks, vs, gin_addrs, gout_addrs = tables(device, cand, ca, yb, cb, routes[0::2], routes[1::2], gin, gout)
+    args = (dx.contiguous(), addrs, *made, u, ks, vs, gt, a.contiguous(), s.contiguous(), rms.contiguous(), gin_addrs,
+            gout_addrs, q, sa, du, dgate, N, C, R, S)
     launch(_read_bwd, grid, args, device, TN=Tn, BN=BN, BC=BC, DT=compute_type(dtype))
     # dw_t = du_t * g ; dg = sum_t du_t * w_t ; dgate_t = scale sum_r a_r q_r
     du, dgate = du.sum(0), scale * dgate.sum(0)
@@ -472,7 +483,11 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale=1.0, i
     gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
     last candidate is a partial (n = R - 1), the partials' gradients. x = scale * (the sum): the
     backward of the sum from scale * dx. in_place: a handle's gradient is added into dS where dS
-    holds data (eager: one buffer per stream for the whole backward, not a new one per read)."""
+    holds data (eager: one buffer per stream for the whole backward, not a new one per read). A
+    candidate given as terms (y_a, c_a, y_b, c_b) (assemble) is made as it is read, token by token,
+    by depth_op.cpp and the Triton kernel; as a tensor first by the torch ops."""
+    terms_of = [() if torch.is_tensor(c) else c for c in cand]
+    cand = [c if torch.is_tensor(c) else c[0] for c in cand] # (as read by depth_op.cpp: y_a)
     S, Tn, n, dtype = len(cand) // R, len(ws), dS[0].size(0), cand[0].dtype
     ks, vs = routes[0::2], routes[1::2]
     gS = [d if in_place and d.is_contiguous() else torch.empty_like(d, memory_format=torch.contiguous_format)
@@ -482,19 +497,24 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale=1.0, i
     gout = [t for j in range(S) for t in [*gS[j].unbind(0), *dP[j:j + 1]]]
     gin = [t for j in range(S) for t in [*dS[j].unbind(0), None][:R]]
     if on_triton(cand + ws + gates + [g, dx]) and all(t.dtype == triton_dtype(cand) for t in gout):
-        out = by_triton(read_backward_triton, g.device.type, dx, ws, g, cand, R, routes, gates, a, s, rms, gin, gout, scale)
+        out = by_triton(read_backward_triton, g.device.type, dx, ws, g, cand, terms_of, R, routes, gates, a, s, rms, gin,
+                        gout, scale)
         if out is not None:
             return *out, gS, dP
-    if on_kernel(cand + ws + gates + [g, dx] + dS): # (all of one dtype: so are dw, dg and dgate)
+    parts = [t for p in terms_of for t in p[1:] if t is not None] # the terms' coefficients and y_b
+    if on_kernel(cand + parts + ws + gates + [g, dx] + dS): # (all of one dtype: so are dw, dg and dgate)
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
         gin, a, s, rms = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rms.contiguous()
+        c_a, y_b, c_b = ([None if not p or p[i] is None else p[i].contiguous() for p in terms_of] for i in (1, 2, 3))
         dw, dg, dgate = cand[0].new_empty((Tn, g.size(-1))), g.new_empty(g.shape), cand[0].new_empty(Tn)
         fn = library().backward_double if dtype == torch.float64 else library().backward_float
-        fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptr(g),
-           ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None, ctypes.c_double(scale), ptr(a), ptr(s),
-           ptr(rms), ptrs(gout), ptrs(gin), ptr(dw), ptr(dg), ptr(dgate), ctypes.c_int(torch.get_num_threads()))
+        fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptrs(c_a),
+           ptrs(y_b), ptrs(c_b), ptr(g), ptrs(ws), int64s(ks), int64s(vs), ptrs(gates) if gates else None,
+           ctypes.c_double(scale), ptr(a), ptr(s), ptr(rms), ptrs(gout), ptrs(gin), ptr(dw), ptr(dg), ptr(dgate),
+           ctypes.c_int(torch.get_num_threads()))
         return list(dw.unbind(0)), dg, list(dgate.unbind(0)) if gates else [], gS, dP
+    cand = [make(*p) if p else c for c, p in zip(cand, terms_of)]
     with torch.autocast(g.device.type, enabled=False):
         u = [fp32(g) * fp32(w) for w in ws]
         dx = scale * fp32(dx)
@@ -544,21 +564,31 @@ def recipe(steps):
     rhos = [rho for w in steps for _, _, rho in w[1:]]
     return ys, betas, rhos, [len(w) for w in steps]
 
-def replay(ys, betas, rhos, lengths):
-    """[P^0, P^1] of each list of writes, made again: write_forward over them from P = []."""
+def terms(ys, betas, rhos, lengths):
+    """Per list of one or two writes (model.py: blocks of 2), per stream j, [P^0, P^1] as terms
+    (y_a, c_a, y_b, c_b), P^j = c_a y_a + c_b y_b: after the block's first write P^j = beta^j_a y_a;
+    after its second P^0 = rho P^0 + (1-rho) P^1 + beta^0_b y_b = (rho beta^0_a + (1-rho) beta^1_a)
+    y_a + beta^0_b y_b, P^1 with rho and 1-rho swapped: both streams from the same two y."""
     made, y_beta, rho = [], iter(zip(ys, betas)), iter(rhos)
     for n in lengths:
-        P = []
-        for i in range(n):
-            y, beta = next(y_beta)
-            P = write_forward(P, y, beta, next(rho) if i else None)
-        made.append(P)
+        y, beta = next(y_beta)
+        if n == 1:
+            made.append([(y, beta[0], None, None), (y, beta[1], None, None)])
+            continue
+        y_b, beta_b = next(y_beta)
+        r = next(rho)
+        c0, c1 = r * beta[0] + (1 - r) * beta[1], (1 - r) * beta[0] + r * beta[1]
+        made.append([(y, c0, y_b, beta_b[0]), (y, c1, y_b, beta_b[1])])
     return made
 
+def make(y_a, c_a, y_b, c_b):
+    """A candidate from its terms: c_a y_a + c_b y_b (y_b None: c_a y_a)."""
+    return c_a * y_a if y_b is None else c_a * y_a + c_b * y_b
+
 def assemble(kept, R, S, replayed, ys, betas, rhos, lengths):
-    """The flat candidates (stream j's r at j * R + r): where r = replayed[i], made[i][j], made again
-    by replay from the writes; else the next kept one."""
-    made, kept = replay(ys, betas, rhos, lengths), iter(kept)
+    """The flat candidates (stream j's r at j * R + r): where r = replayed[i], the terms of stream
+    j's, made again from the writes; else the next kept one (a tensor)."""
+    made, kept = terms(ys, betas, rhos, lengths), iter(kept)
     return [made[replayed.index(r)][j] if r in replayed else next(kept) for j in range(S) for r in range(R)]
 
 # -----------------------------------------------------------------------------
@@ -748,7 +778,7 @@ class Write(torch.autograd.Function):
     def backward(ctx, d0, d1):
         y, beta, rho, *kept = ctx.saved_tensors
         nP, nY, nB, nR = ctx.counts
-        P = replay(*split(kept, (nY, nB, nR)), [nY])[0] if nY else kept
+        P = [make(*t) for t in terms(*split(kept, (nY, nB, nR)), [nY])[0]] if nY else kept
         dP, dy, dbeta, drho = write_backward(P, y, beta, rho, [d0, d1])
         return dy, dbeta, drho, None, *dP, *[None] * (nY + nB + nR)
 
@@ -766,7 +796,7 @@ def _(P, y, beta, rho, ys, betas, rhos):
 def _write_backward(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
                     d: list[torch.Tensor], ys: list[torch.Tensor], betas: list[torch.Tensor],
                     rhos: list[torch.Tensor]) -> list[torch.Tensor]:
-    P = replay(ys, betas, rhos, [len(ys)])[0] if ys else P # ys: P made again from its writes
+    P = [make(*t) for t in terms(ys, betas, rhos, [len(ys)])[0]] if ys else P # ys: P made again
     dP, dy, dbeta, drho = write_backward(P, y, beta, rho, d)
     return [*dP, dy, dbeta, *([] if drho is None else [drho])]
 

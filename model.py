@@ -404,7 +404,7 @@ class DAR(nn.Module):
         beta_logit = torch.zeros(L, 2, n_embd)
         beta_logit[:, 1].normal_(0, 0.5)
         self.beta_logit = nn.Parameter(beta_logit)
-        if self.K > 1: # with blocks of 1 a write never meets a partial: no rho
+        if self.K > 1: # a block's first write meets no partial: its r_l unused (K = 1: no rho)
             self.rho_logit = nn.Parameter(torch.full((L,), 2.0)) # r_l, init 2: rho_l ~ 0.88 [R]
         if self.sepv: # W^j_V, init I [R]
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))

@@ -619,10 +619,10 @@ def test_triton_kernels_compile_for_a_gpu_without_one():
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
     fwd = ['cand', 'u', 'ks', 'vs', 'gt', 'x', 'sc', 'rms', 'N', 'C', 'R', 'S', 'eps']
-    bwd = ['dx', 'cand', 'u', 'ks', 'vs', 'gt', 'a', 'sc', 'rms', 'gin', 'gout', 'q', 'sa', 'du', 'dgate', 'N', 'C', 'R', 'S']
+    bwd = ['dx', 'cand', 'ca', 'yb', 'cb', 'u', 'ks', 'vs', 'gt', 'a', 'sc', 'rms', 'gin', 'gout', 'q', 'sa', 'du', 'dgate', 'N', 'C', 'R', 'S']
     for dtype, DT in (('fp32', triton.language.float32), ('fp64', triton.language.float64)):
         kind = lambda name: 'i32' if name in ('N', 'C', 'R', 'S') else 'fp32' if name == 'eps' else \
-            '*i64' if name in ('cand', 'ks', 'vs', 'gin', 'gout') else f'*{dtype}'
+            '*i64' if name in ('cand', 'ca', 'yb', 'cb', 'ks', 'vs', 'gin', 'gout') else f'*{dtype}'
         for kernel, names in ((depth_op._read_fwd, fwd), (depth_op._read_bwd, bwd)):
             for TN, C in ((1, 768), (2, 768), (2, 128)):
                 tile = depth_op.READ_FWD_TILE if kernel is depth_op._read_fwd else depth_op.READ_BWD_TILE
