@@ -6,9 +6,9 @@ values and gradients (test_model.py compares them in fp64), the read built so th
   candidates, each stream read once per pass;
 - backward keeps only the weights and scores (J, R, B, T) and the rms (S, R, B, T), besides the
   candidates: no temporary of the model's width. A DAR candidate given with the writes that made
-  it (model.py: blocks of 2) is not kept either: backward makes it again from their
-  outputs y, which the writes keep anyway (beta's gradient), as the write's backward makes its
-  partials again (rho's gradient);
+  it (model.py: blocks of 2) is not kept either: backward makes it again, row by row as it reads
+  it, from their outputs y, which the writes keep anyway (beta's gradient), as the write's
+  backward makes its partials again (rho's gradient);
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
 - it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
   kernels on CUDA (tested on CPU in Triton's interpreter), torch ops elsewhere. So does the write.
