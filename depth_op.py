@@ -6,8 +6,8 @@ values and gradients (test_model.py compares them in fp64), the read built so th
   candidates, each stream read once per pass;
 - backward keeps only the weights and scores (J, R, B, T) and the rms (S, R, B, T), besides the
   candidates: no temporary of the model's width. A DAR candidate given with the writes that made
-  it (model.py: blocks of 2) is not kept either: backward makes it again, row by row as it reads
-  it, from their outputs y, which the writes keep anyway (beta's gradient), as the write's
+  it (model.py: blocks of 1 or 2) is not kept either: backward makes it again, row by row as it
+  reads it, from their outputs y, which the writes keep anyway (beta's gradient), as the write's
   backward makes its partials again (rho's gradient);
 - torch.compile sees every read as one call, of any depth, and generates no code for it;
 - it runs as one pass over the candidates per token: depth_op.cpp on CPU (fp32, fp64), Triton
@@ -565,7 +565,7 @@ def recipe(steps):
     return ys, betas, rhos, [len(w) for w in steps]
 
 def terms(ys, betas, rhos, lengths):
-    """Per list of one or two writes (model.py: blocks of 2), per stream j, [P^0, P^1] as terms
+    """Per list of one or two writes (model.py: blocks of 1, 2), per stream j, [P^0, P^1] as terms
     (y_a, c_a, y_b, c_b), P^j = c_a y_a + c_b y_b: after the block's first write P^j = beta^j_a y_a;
     after its second P^0 = rho P^0 + (1-rho) P^1 + beta^0_b y_b = (rho beta^0_a + (1-rho) beta^1_a)
     y_a + beta^0_b y_b, P^1 with rho and 1-rho swapped: both streams from the same two y."""
