@@ -280,8 +280,9 @@ def assert_logits_both_ways(model, idx, want):
 
 @pytest.mark.parametrize('name', ['attnres-block', 'dar-cross-block'])
 def test_matches_naive_reference_with_train_pys_blocks_of_two(name):
-    """depth_block=2, train.py's: every block whole (PATHS' K = 4 leaves a short last block)."""
-    model = make(name, depth_block=2)
+    """depth_block=2, train.py's: every block whole (PATHS' K = 4 leaves a short last block); the
+    partial read (DAR: cross routing, PATHS'); make() randomises the queries and gates."""
+    model = make(name, depth_block=2, include_partial=True)
     idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = NAIVE[model.config.residual](model, idx)
