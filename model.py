@@ -451,7 +451,7 @@ class DAR(nn.Module):
             s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1])
         else:
             s.P = dar_write(s.P, y, s.beta[l], s.rho[l])
-        if self.K <= 2: # K = 1, 2: backward makes P^j, H^j_r again from these (y_l kept anyway)
+        if s.fused and self.K <= 2: # K = 1, 2: the op's backward makes P^j, H^j_r again from these
             s.steps[-1].append((y, s.beta[l], s.rho[l]))
         # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
