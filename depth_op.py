@@ -388,7 +388,7 @@ def read_backward_triton(dx, ws, g, cand, terms_of, R, routes, gates, a, s, rms,
     candidate with terms (y_a, c_a, y_b, c_b) is made by the kernel as it reads it (cand: y_a)."""
     S, Tn = len(cand) // R, len(ws)
     dtype, cand, u, gt = triton_inputs(ws, g, cand, R, routes, gates, scale)
-    ca, yb, cb = ([None if not p or p[i] is None else p[i].to(dtype).contiguous() for p in terms_of] for i in (1, 2, 3))
+    ca, yb, cb = term_parts(terms_of, dtype)
     N, C, device = cand[0].numel() // cand[0].size(-1), cand[0].size(-1), cand[0].device
     # a handle's gradient that holds no data (an expanded zero) adds nothing: no address
     gin = [None if t is None or max(t.stride()) == 0 else t.contiguous() for t in gin]
@@ -478,6 +478,11 @@ def read_torch(ws, g, cand, R, routes, gates, eps, scale=1.0):
             x = x + sum(wr.unsqueeze(-1) * v for wr, v in zip(weights, values))
     return scale * x, torch.stack(a), torch.stack(s), rms
 
+def term_parts(terms_of, dtype):
+    """Per candidate, its c_a, y_b, c_b (terms (y_a, c_a, y_b, c_b)) in dtype, contiguous, as the
+    kernels read them: None where a candidate is a tensor, or has one term."""
+    return ([None if not p or p[i] is None else p[i].to(dtype).contiguous() for p in terms_of] for i in (1, 2, 3))
+
 def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale=1.0, in_place=False):
     """From dx and the incoming gradients dS of the S handles (n, B, T, C; n = R or R - 1): the
     gradients of ws, g and gates, the handles' gradients (n slots of each stream), and, where the
@@ -506,7 +511,7 @@ def read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale=1.0, i
         # (every tensor the kernel reads held by a name here, alive through the call)
         cand, ws, g, dx = [t.contiguous() for t in cand], [t.contiguous() for t in ws], g.contiguous(), dx.contiguous()
         gin, a, s, rms = [t if t is None else t.contiguous() for t in gin], a.contiguous(), s.contiguous(), rms.contiguous()
-        c_a, y_b, c_b = ([None if not p or p[i] is None else p[i].contiguous() for p in terms_of] for i in (1, 2, 3))
+        c_a, y_b, c_b = term_parts(terms_of, dtype)
         dw, dg, dgate = cand[0].new_empty((Tn, g.size(-1))), g.new_empty(g.shape), cand[0].new_empty(Tn)
         fn = library().backward_double if dtype == torch.float64 else library().backward_float
         fn(*map(ctypes.c_int64, (S, R, Tn, dx.numel() // dx.size(-1), dx.size(-1))), ptr(dx), ptrs(cand), ptrs(c_a),
@@ -556,39 +561,52 @@ def split(tensors, counts):
 # -----------------------------------------------------------------------------
 # DAR's partials and entries made again in backward from the writes that made them, instead of kept
 
-def recipe(steps):
-    """Flat ys, betas, rhos and lengths of lists of writes (y, beta, rho), each list the writes that
-    made one candidate; a list's first write met no partial, so its rho is not needed."""
-    ys = [y for w in steps for y, _, _ in w]
-    betas = [beta for w in steps for _, beta, _ in w]
-    rhos = [rho for w in steps for _, _, rho in w[1:]]
-    return ys, betas, rhos, [len(w) for w in steps]
+def recorded(made, y, beta, rho):
+    """The terms (ys, cs) of the partials after DAR's write of y (model.dar_write), from those
+    before it (None: P = 0): P^j = sum_i c^j_i y_i, cs = [c^0_1, c^1_1, c^0_2, ...], each (C,).
+    Each coefficient computed once, at its write, not again at every read of the entry; compiled,
+    as an operation: no code generated for it (docs/bench.md). Without grad, none (nothing made)."""
+    if not torch.is_grad_enabled():
+        return None
+    if made is None: # P^j <- beta^j y
+        return [y], [beta[0], beta[1]]
+    ys, cs = made
+    cs, rho = [c.detach() for c in cs], rho.detach()
+    return ys + [y], (_mixed(cs, rho) if torch.compiler.is_compiling() else mixed(cs, rho)) + [beta[0], beta[1]]
 
-def terms(ys, betas, rhos, lengths):
-    """Per list of one or two writes (model.py: blocks of 1, 2), per stream j, [P^0, P^1] as terms
-    (y_a, c_a, y_b, c_b), P^j = c_a y_a + c_b y_b: after the block's first write P^j = beta^j_a y_a;
-    after its second P^0 = rho P^0 + (1-rho) P^1 + beta^0_b y_b = (rho beta^0_a + (1-rho) beta^1_a)
-    y_a + beta^0_b y_b, P^1 with rho and 1-rho swapped: both streams from the same two y."""
-    made, y_beta, rho = [], iter(zip(ys, betas)), iter(rhos)
+def mixed(cs, rho):
+    # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y, term by term
+    return [c for c0, c1 in zip(cs[0::2], cs[1::2]) for c in (rho * c0 + (1 - rho) * c1, (1 - rho) * c0 + rho * c1)]
+
+@torch.library.custom_op('dar::mixed', mutates_args=())
+def _mixed(cs: list[torch.Tensor], rho: torch.Tensor) -> list[torch.Tensor]:
+    return mixed(cs, rho)
+
+@_mixed.register_fake
+def _(cs, rho):
+    return [torch.empty_like(c) for c in cs]
+
+def recipe(made):
+    """Flat ys, cs and lengths (terms) of the terms (ys, cs) of candidates."""
+    return [y for ys, _ in made for y in ys], [c for _, cs in made for c in cs], [len(ys) for ys, _ in made]
+
+def terms(ys, cs, lengths):
+    """Per candidate of one or two terms (model.py: blocks of 1, 2), per stream j, P^j as
+    (y_a, c^j_a, y_b, c^j_b): P^j = c^j_a y_a + c^j_b y_b (one term: y_b, c^j_b None)."""
+    made, term = [], iter(zip(ys, cs[0::2], cs[1::2])) # (y_i, c^0_i, c^1_i)
     for n in lengths:
-        y, beta = next(y_beta)
-        if n == 1:
-            made.append([(y, beta[0], None, None), (y, beta[1], None, None)])
-            continue
-        y_b, beta_b = next(y_beta)
-        r = next(rho)
-        c0, c1 = r * beta[0] + (1 - r) * beta[1], (1 - r) * beta[0] + r * beta[1]
-        made.append([(y, c0, y_b, beta_b[0]), (y, c1, y_b, beta_b[1])])
+        a, b = next(term), next(term) if n == 2 else (None, None, None)
+        made.append([(a[0], a[1 + j], b[0], b[1 + j]) for j in range(2)])
     return made
 
 def make(y_a, c_a, y_b, c_b):
     """A candidate from its terms: c_a y_a + c_b y_b (y_b None: c_a y_a)."""
     return c_a * y_a if y_b is None else c_a * y_a + c_b * y_b
 
-def assemble(kept, R, S, replayed, ys, betas, rhos, lengths):
+def assemble(kept, R, S, replayed, ys, cs, lengths):
     """The flat candidates (stream j's r at j * R + r): where r = replayed[i], the terms of stream
     j's, made again from the writes; else the next kept one (a tensor)."""
-    made, kept = terms(ys, betas, rhos, lengths), iter(kept)
+    made, kept = terms(ys, cs, lengths), iter(kept)
     return [made[replayed.index(r)][j] if r in replayed else next(kept) for j in range(S) for r in range(R)]
 
 # -----------------------------------------------------------------------------
@@ -598,10 +616,10 @@ class DepthRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, R, routes, eps, scale, counts, lengths, replayed, *tensors):
-        ws, gates, handles, partials, cand, ys, betas, rhos = split(tensors, counts)
+        ws, gates, handles, partials, cand, ys, cs = split(tensors, counts)
         x, a, s, rms = read_forward(ws, g, cand, R, routes, gates, eps, scale)
         kept = [c for i, c in enumerate(cand) if i % R not in replayed] # the others: made again
-        ctx.save_for_backward(g, a, s, rms, *ws, *gates, *kept, *ys, *betas, *rhos)
+        ctx.save_for_backward(g, a, s, rms, *ws, *gates, *kept, *ys, *cs)
         ctx.mark_non_differentiable(a, s, rms)
         ctx.R, ctx.routes, ctx.scale, ctx.lengths, ctx.replayed = R, routes, scale, lengths, replayed
         ctx.counts = (*counts[:2], len(kept), *counts[5:])
@@ -611,11 +629,11 @@ class DepthRead(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dx, da, ds, drms, *dS):
         g, a, s, rms, *rest = ctx.saved_tensors
-        ws, gates, kept, ys, betas, rhos = split(rest, ctx.counts)
-        cand = assemble(kept, ctx.R, len(dS), ctx.replayed, ys, betas, rhos, ctx.lengths)
+        ws, gates, kept, ys, cs = split(rest, ctx.counts)
+        cand = assemble(kept, ctx.R, len(dS), ctx.replayed, ys, cs, ctx.lengths)
         dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, ctx.R, ctx.routes, gates, a, s, rms, list(dS), ctx.scale,
                                                    in_place=True)
-        return (dg, *[None] * 7, *dws, *dgates, *gS, *dP, *[None] * (len(cand) + len(ys) + len(betas) + len(rhos)))
+        return (dg, *[None] * 7, *dws, *dgates, *gS, *dP, *[None] * (len(cand) + len(ys) + len(cs)))
 
 # -----------------------------------------------------------------------------
 # compiled: custom operations, forward and backward, opaque to the compiler
@@ -623,13 +641,13 @@ class DepthRead(torch.autograd.Function):
 @torch.library.custom_op('dar::fused_read', mutates_args=())
 def _read(ws: list[torch.Tensor], g: torch.Tensor, cand: list[torch.Tensor], R: int, routes: list[int],
           gates: list[torch.Tensor], eps: float, scale: float, handles: list[torch.Tensor],
-          partials: list[torch.Tensor], ys: list[torch.Tensor], betas: list[torch.Tensor], rhos: list[torch.Tensor],
-          lengths: list[int], replayed: list[int]) -> list[torch.Tensor]:
+          partials: list[torch.Tensor], ys: list[torch.Tensor], cs: list[torch.Tensor], lengths: list[int],
+          replayed: list[int]) -> list[torch.Tensor]:
     x, a, s, rms = read_forward(ws, g, cand, R, routes, gates, eps, scale)
     return [x, a, s, rms, *[passed_on(S) for S in handles]]
 
 @_read.register_fake
-def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, betas, rhos, lengths, replayed):
+def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, cs, lengths, replayed):
     v = cand[0]
     x = v.new_empty(v.shape, dtype=torch.promote_types(v.dtype, torch.float32))
     a, s = (x.new_empty((len(ws), R, *v.shape[:-1])) for _ in range(2))
@@ -639,43 +657,43 @@ def _(ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, betas, r
 @torch.library.custom_op('dar::fused_read_backward', mutates_args=())
 def _read_backward(dx: torch.Tensor, ws: list[torch.Tensor], g: torch.Tensor, kept: list[torch.Tensor], R: int,
                    routes: list[int], gates: list[torch.Tensor], a: torch.Tensor, s: torch.Tensor, rms: torch.Tensor,
-                   dS: list[torch.Tensor], scale: float, ys: list[torch.Tensor], betas: list[torch.Tensor],
-                   rhos: list[torch.Tensor], lengths: list[int], replayed: list[int]) -> list[torch.Tensor]:
-    cand = assemble(kept, R, len(dS), replayed, ys, betas, rhos, lengths)
+                   dS: list[torch.Tensor], scale: float, ys: list[torch.Tensor], cs: list[torch.Tensor],
+                   lengths: list[int], replayed: list[int]) -> list[torch.Tensor]:
+    cand = assemble(kept, R, len(dS), replayed, ys, cs, lengths)
     dws, dg, dgates, gS, dP = read_backward(dx, ws, g, cand, R, routes, gates, a, s, rms, dS, scale)
     # (a custom operation's outputs are tensors of their own: the kernel's rows are views)
     return [*[t.clone() for t in dws], dg, *[t.clone() for t in dgates], *gS, *dP]
 
 @_read_backward.register_fake
-def _(dx, ws, g, kept, R, routes, gates, a, s, rms, dS, scale, ys, betas, rhos, lengths, replayed):
+def _(dx, ws, g, kept, R, routes, gates, a, s, rms, dS, scale, ys, cs, lengths, replayed):
     # (kept[0] is e, H^j_0: never made again)
     partial = [torch.empty_like(kept[0]) for _ in dS] if dS[0].size(0) < R else []
     return ([torch.empty_like(w) for w in ws] + [torch.empty_like(g)] + [torch.empty_like(t) for t in gates]
             + [torch.empty_like(d) for d in dS] + partial)
 
 def _setup_context(ctx, inputs, output):
-    ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, betas, rhos, lengths, replayed = inputs
+    ws, g, cand, R, routes, gates, eps, scale, handles, partials, ys, cs, lengths, replayed = inputs
     kept = [c for i, c in enumerate(cand) if i % R not in replayed] # the others: made again
-    ctx.save_for_backward(g, *output[1:4], *ws, *gates, *kept, *ys, *betas, *rhos)
+    ctx.save_for_backward(g, *output[1:4], *ws, *gates, *kept, *ys, *cs)
     ctx.mark_non_differentiable(*output[1:4])
     ctx.R, ctx.routes, ctx.scale, ctx.lengths, ctx.replayed = R, routes, scale, lengths, replayed
-    ctx.counts = (len(ws), len(gates), len(kept), len(ys), len(betas), len(rhos), len(handles), len(partials), len(cand))
+    ctx.counts = (len(ws), len(gates), len(kept), len(ys), len(cs), len(handles), len(partials), len(cand))
 
 def _backward(ctx, grads):
     g, a, s, rms, *rest = ctx.saved_tensors
-    Tn, nG, nK, nY, nB, nR, S, nP, nC = ctx.counts
-    ws, gates, kept, ys, betas, rhos = split(rest, (Tn, nG, nK, nY, nB, nR))
+    Tn, nG, nK, nY, nCs, S, nP, nC = ctx.counts
+    ws, gates, kept, ys, cs = split(rest, (Tn, nG, nK, nY, nCs))
     out = _read_backward(grads[0], ws, g, kept, ctx.R, ctx.routes, gates, a, s, rms, list(grads[4:]), ctx.scale,
-                         ys, betas, rhos, ctx.lengths, ctx.replayed)
+                         ys, cs, ctx.lengths, ctx.replayed)
     dws, dg, dgates, gS, dP = split(out, (Tn, 1, nG, S, nP))
     # the candidates get no gradient as data: it runs through the handles and partials
     # (a list of ints takes None, but an empty one [], as an empty list of tensors would)
     ints = [None if x else [] for x in (ctx.lengths, ctx.replayed)]
-    return (dws, dg[0], [None] * nC, None, None, dgates, None, None, gS, dP, [None] * nY, [None] * nB, [None] * nR, *ints)
+    return (dws, dg[0], [None] * nC, None, None, dgates, None, None, gS, dP, [None] * nY, [None] * nCs, *ints)
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=None):
+def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, made=None):
     """x = scale sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the
     targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
     (data: their gradients run through handles and partials); keys, values: per target, the stream
@@ -683,8 +701,8 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=
     gates: per target, or None; handles: per stream, the handle of its committed candidates (a
     stream with more candidates than its handle has entries ends in its partial block); eps: the key
     norm's; scale: a number (inside the operation, so that the code compiled around it is the same
-    for every R); steps: per candidate r, the writes (y, beta, rho) that made it, or none: given,
-    backward makes it again from them, so it is not kept. Returns x, the weights a (J, R, B, T)
+    for every R); made: per candidate r, the terms (ys, cs) it is made of (recorded), or None:
+    given, backward makes it again from them, so it is not kept. Returns x, the weights a (J, R, B, T)
     and the handles."""
     stream = lambda c: [c is c_j for c_j in cand].index(True)
     routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
@@ -695,14 +713,14 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, steps=
         x, a, _, _ = read(ws, g, flat, R, routes, gates, eps, scale)
         return x, a, handles
     partials = [c[-1] for c in cand] if R > handles[0].size(0) else [] # more than the committed
-    replayed = [r for r in range(R) if steps and steps[r]]
-    ys, betas, rhos, lengths = recipe([steps[r] for r in replayed])
+    replayed = [r for r in range(R) if made and made[r] is not None]
+    ys, cs, lengths = recipe([made[r] for r in replayed])
     if torch.compiler.is_compiling():
-        out = _read(ws, g, flat, R, routes, gates, eps, float(scale), handles, partials, ys, betas, rhos, lengths, replayed)
+        out = _read(ws, g, flat, R, routes, gates, eps, float(scale), handles, partials, ys, cs, lengths, replayed)
     else:
-        counts = (len(ws), len(gates), len(handles), len(partials), len(flat), len(ys), len(betas), len(rhos))
+        counts = (len(ws), len(gates), len(handles), len(partials), len(flat), len(ys), len(cs))
         out = DepthRead.apply(g, R, routes, eps, scale, counts, lengths, replayed, *ws, *gates, *handles, *partials, *flat,
-                              *ys, *betas, *rhos)
+                              *ys, *cs)
     return out[0], out[1], list(out[4:])
 
 # -----------------------------------------------------------------------------
@@ -768,8 +786,8 @@ class Write(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, beta, rho, counts, *tensors):
-        P, ys, betas, rhos = split(tensors, counts)
-        ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if ys else P)) # ys: P made again, not kept
+        P, ys, cs = split(tensors, counts)
+        ctx.save_for_backward(y, beta, rho, *(ys + cs if ys else P)) # ys: P made again, not kept
         ctx.counts = counts
         return tuple(write_forward(P, y, beta, rho))
 
@@ -777,64 +795,63 @@ class Write(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d0, d1):
         y, beta, rho, *kept = ctx.saved_tensors
-        nP, nY, nB, nR = ctx.counts
-        P = [make(*t) for t in terms(*split(kept, (nY, nB, nR)), [nY])[0]] if nY else kept
+        nP, nY, nCs = ctx.counts
+        P = [make(*t) for t in terms(*split(kept, (nY, nCs)), [nY])[0]] if nY else kept
         dP, dy, dbeta, drho = write_backward(P, y, beta, rho, [d0, d1])
-        return dy, dbeta, drho, None, *dP, *[None] * (nY + nB + nR)
+        return dy, dbeta, drho, None, *dP, *[None] * (nY + nCs)
 
 @torch.library.custom_op('dar::write', mutates_args=())
 def _write(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
-           ys: list[torch.Tensor], betas: list[torch.Tensor], rhos: list[torch.Tensor]) -> list[torch.Tensor]:
+           ys: list[torch.Tensor], cs: list[torch.Tensor]) -> list[torch.Tensor]:
     return write_forward(P, y, beta, rho)
 
 @_write.register_fake
-def _(P, y, beta, rho, ys, betas, rhos):
+def _(P, y, beta, rho, ys, cs):
     dtype = functools.reduce(torch.promote_types, [t.dtype for t in write_inputs(P, y, beta, rho)])
     return [y.new_empty(y.shape, dtype=dtype) for _ in range(2)]
 
 @torch.library.custom_op('dar::write_backward', mutates_args=())
 def _write_backward(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
-                    d: list[torch.Tensor], ys: list[torch.Tensor], betas: list[torch.Tensor],
-                    rhos: list[torch.Tensor]) -> list[torch.Tensor]:
-    P = [make(*t) for t in terms(ys, betas, rhos, [len(ys)])[0]] if ys else P # ys: P made again
+                    d: list[torch.Tensor], ys: list[torch.Tensor], cs: list[torch.Tensor]) -> list[torch.Tensor]:
+    P = [make(*t) for t in terms(ys, cs, [len(ys)])[0]] if ys else P # ys: P made again
     dP, dy, dbeta, drho = write_backward(P, y, beta, rho, d)
     return [*dP, dy, dbeta, *([] if drho is None else [drho])]
 
 @_write_backward.register_fake
-def _(P, y, beta, rho, d, ys, betas, rhos):
+def _(P, y, beta, rho, d, ys, cs):
     if ys: # P made again: write_forward's dtype over its writes
-        P = 2 * [y.new_empty(y.shape, dtype=functools.reduce(torch.promote_types, [t.dtype for t in ys + betas + rhos]))]
+        P = 2 * [y.new_empty(y.shape, dtype=functools.reduce(torch.promote_types, [t.dtype for t in ys + cs]))]
     return [torch.empty_like(t) for t in write_inputs(P, y, beta, rho)]
 
 def _write_setup(ctx, inputs, output):
-    P, y, beta, rho, ys, betas, rhos = inputs
-    ctx.save_for_backward(y, beta, rho, *(ys + betas + rhos if ys else P)) # ys: P made again, not kept
-    ctx.counts = (len(P), len(ys), len(betas), len(rhos))
+    P, y, beta, rho, ys, cs = inputs
+    ctx.save_for_backward(y, beta, rho, *(ys + cs if ys else P)) # ys: P made again, not kept
+    ctx.counts = (len(P), len(ys), len(cs))
 
 def _write_grad(ctx, d):
     y, beta, rho, *kept = ctx.saved_tensors
-    n, nY, nB, nR = ctx.counts
-    ys, betas, rhos = split(kept, (nY, nB, nR)) # all empty where P was kept
-    out = _write_backward([] if nY else kept, y, beta, rho, list(d), ys, betas, rhos)
-    return out[:n], out[n], out[n + 1], out[n + 2] if n else None, [None] * nY, [None] * nB, [None] * nR
+    n, nY, nCs = ctx.counts
+    ys, cs = split(kept, (nY, nCs)) # both empty where P was kept
+    out = _write_backward([] if nY else kept, y, beta, rho, list(d), ys, cs)
+    return out[:n], out[n], out[n + 1], out[n + 2] if n else None, [None] * nY, [None] * nCs
 
 _write.register_autograd(_write_grad, setup_context=_write_setup)
 
-def write(P, y, beta, rho, steps=()):
+def write(P, y, beta, rho, made=None):
     """model.dar_write as one operation: the partials P ([P^0, P^1], or None where a block starts),
     the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
     of one); compiled for training, beta and rho are depth_op.rows' (their code is every
-    sublayer's). steps: the writes (y, beta, rho) that made P, or none: given, backward makes P
+    sublayer's). made: the terms (ys, cs) P is made of (recorded), or None: given, backward makes P
     again from them (for rho's gradient), so P is not kept. Returns [P^0', P^1']."""
     P = P or []
     if torch.compiler.is_compiling() and not torch.is_grad_enabled():
         return write_torch(P, y, beta, rho) # inference: traced, fused with its neighbours
     if not torch.is_grad_enabled():
         return write_forward(P, y, beta, rho)
-    ys, betas, rhos, _ = recipe([steps] if P and steps else [])
+    ys, cs, _ = recipe([made] if P and made is not None else [])
     if torch.compiler.is_compiling():
-        return _write(P, y, beta, rho, ys, betas, rhos)
-    return list(Write.apply(y, beta, rho, (len(P), len(ys), len(betas), len(rhos)), *P, *ys, *betas, *rhos))
+        return _write(P, y, beta, rho, ys, cs)
+    return list(Write.apply(y, beta, rho, (len(P), len(ys), len(cs)), *P, *ys, *cs))
 
 # -----------------------------------------------------------------------------
 # the handles

@@ -1,7 +1,6 @@
 """dar-gpt: one GPT, four residual paths (standard pre-norm GPT-2, attnres, mhc, dar). A path gives
-each of the L = 2*n_layer sublayers its input and takes its output y_l: begin(e) -> s; read(s, l)
--> Norm_l's input; write(s, l, y_l) -> s. The comment above a line is the equation it computes
-(../shared/design/equations.md; [R]: a DAR detail we reconstructed)."""
+each L = 2*n_layer sublayer its input, takes its output y_l: begin(e) -> s; read(s, l) -> x_l;
+write(s, l, y_l) -> s. A comment above a line is its equation (equations.md; [R]: reconstructed)."""
 
 import math
 from dataclasses import dataclass
@@ -178,8 +177,8 @@ class Layer(nn.Module):
         self.mlp = MoE(config) if self.moe else MLP(config)
 
     def forward(self, res, s, cache=None):
-        # res: GPT.transformer.res = RESIDUALS[config.residual], e.g. DAR; s: its state (res.begin)
         # y_l = f_l(Norm_l(res.read(s, l))) ; s <- res.write(s, l, y_l)
+        # res: the path; s: its state. [R] AttnRes, DAR read N x_l: Norm_l drops N, but for its eps
         s = res.write(s, self.l, self.attn(self.ln_1(res.read(s, self.l)), cache))
         s = res.write(s, self.l + 1, self.mlp(self.ln_2(res.read(s, self.l + 1))))
         return s
@@ -297,8 +296,7 @@ class MHC(nn.Module):
 RMS_EPS = 1e-6 # the depth reads' key RMSNorm (and mHC's, of its streams)
 
 def depth_read(queries, g, keys, values, fusion, scale):
-    """Target t reads R keys[t], values[t] (B, T, n_embd), query queries[t]; g: RMSNorm's weight.
-    The model runs it as written or (DepthState.fused) as one operation: DepthState.depth_read."""
+    """Target t reads R keys[t], values[t] (B, T, n_embd), query queries[t]; g: RMSNorm's weight."""
     x, weights = 0, []
     for t, (w, keys_t, values_t) in enumerate(zip(queries, keys, values)):
         # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6; scores in fp32
@@ -311,11 +309,10 @@ def depth_read(queries, g, keys, values, fusion, scale):
         h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values_t))
         # x = sum_t fusion_t h_t (DAR: fusion = (alpha_l, 1 - alpha_l); None: one target, x = h_0)
         x, weights = x + (h if fusion is None else fusion[t] * h), weights + [a]
-    return scale * x, torch.stack(weights) # [R] scale = N candidates: AttnRes.read, DAR.read
+    return scale * x, torch.stack(weights) # [R] scale = N candidates (AttnRes.read, DAR.read): N x
 
 def dar_write(P, y, beta, rho):
-    """DAR's write of y_l (B, T, n_embd) into P = [P^0, P^1] (None: P^j = 0) with beta_l (2, n_embd)
-    and rho_l. depth_op.write equals it (test_dar_write_operation_equals_its_definition)."""
+    """DAR's write of y_l (B, T, n_embd) into P = [P^0, P^1] (None: 0), beta_l (2, n_embd), rho_l"""
     if P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
         return [beta[0] * y, beta[1] * y]
     P0, P1 = P
@@ -326,28 +323,36 @@ class DepthState:
     """AttnRes's and DAR's state: per stream j the history H^j and partial P^j (None: 0)."""
     fused = True # the reads (and DAR's writes) as depth_op's operations; False: as written
 
-    def __init__(self, e, streams, include_partial):
-        self.include_partial = include_partial
+    def __init__(self, e, streams, include_partial, remade=False):
+        self.include_partial, self.remade = include_partial, remade # remade: see dar_write
         self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
         self.handle = [depth_op.grow(None, e) for _ in range(streams)] # fused: H^j's gradient
-        self.steps = [[], []] # steps[r]: the writes (y_l, beta_l, rho_l) of H^j_r; steps[-1]: P^j's
+        self.made = [None, None] # made[r]: the terms of H^j_r (depth_op.recorded); made[-1]: P^j's
 
     def commit(self):
         # H^j.append(P^j) ; P^j = 0
         for j, p in enumerate(self.P):
             self.H[j].append(p)
             self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
-        self.P, self.steps = None, self.steps + [[]]
+        self.P, self.made = None, self.made + [None]
 
     def candidates(self):
         # C^j = H^j, plus P^j once the block has a write (if include_partial)
         return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
     def depth_read(self, C, queries, g, keys, values, fusion=None, scale=1):
-        if not self.fused: # as written (fused: test_depth_op_equals_the_readable_reads_in_fp64)
-            return depth_read(queries, g, keys, values, fusion, scale)
-        x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale, self.steps)
-        return x, weights
+        if self.fused: # as one operation: test_depth_op_equals_the_readable_reads_in_fp64
+            x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale, self.made)
+            return x, weights
+        return depth_read(queries, g, keys, values, fusion, scale)
+
+    def dar_write(self, y, beta, rho):
+        if not self.fused: # as written (fused: test_dar_write_operation_equals_its_definition)
+            return dar_write(self.P, y, beta, rho)
+        P = depth_op.write(self.P, y, beta, rho, self.made[-1])
+        if self.remade: # DAR, K = 1, 2: backward makes P^j, then H^j_r, again from these terms
+            self.made[-1] = depth_op.recorded(self.made[-1], y, beta, rho)
+        return P
 
 class AttnRes(nn.Module):
     """Attention Residuals. One stream: its history is b_0 = e and the completed block sums b_1,
@@ -378,12 +383,12 @@ class AttnRes(nn.Module):
             s.commit()
         return s
 
-ROUTES = { # dar_routing -> (key_streams, value_streams), each indexed by the target j
+ROUTES = { # dar_routing -> per target j, (k, v): target j reads keys RMSNorm(C^k), values C^v
     'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
-    'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
+    'self': ((0, 0), (1, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
     'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
-    'fixed': ((0, 0), (1, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
-    'sepv': ((0, 1), (0, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
+    'fixed': ((0, 1), (0, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
+    'sepv': ((0, 0), (1, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
 }
 
 class DAR(nn.Module):
@@ -394,7 +399,7 @@ class DAR(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: (1, 0), (0, 1)
+        self.routes = ROUTES[config.dar_routing] # cross: ((1, 0), (0, 1))
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -410,7 +415,7 @@ class DAR(nn.Module):
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
-        s = DepthState(e, 2, self.include_partial) # s.H = [H^0, H^1] = [[e], [e]] [R]; s.P = None
+        s = DepthState(e, 2, self.include_partial, remade=self.K <= 2) # H^j = [e] [R], P^j = 0
         # s.w[l][j] = query[l, j], s.g[l] = key_norm[l], each (n_embd,): a tensor (test_rows)
         s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
         alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
@@ -423,18 +428,18 @@ class DAR(nn.Module):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
         C = s.candidates() # C[j] = C^j: H^j, plus P^j if include_partial and the block has a write
-        # cross (DAR): target j's keys C^{1-j}: [C^1, C^0]; values C^j: [C^0, C^1] (others: ROUTES)
-        keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys^j_r)) values^j_r ; w^j_l = s.w[l][j]
-        # x_l = alpha_l h^0 + (1 - alpha_l) h^1 ; s.fusion[l] = (alpha_l, 1 - alpha_l)
-        # returns N x_l, N = len(C[0]) [R]: at zero queries a sum over depth (no eps damping)
-        Nx, weights = s.depth_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], len(C[0]))
+        # target j: keys C^k, values C^v, (k, v) = routes[j]; cross (DAR): keys C^{1-j}, values C^j
+        keys, values = [C[k] for k, _ in self.routes], [C[v] for _, v in self.routes]
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys[j]_r)) values[j]_r ; w^j_l = s.w[l][j]
+        # N x_l = N (alpha_l h^0 + (1 - alpha_l) h^1) ; s.fusion[l] = (alpha_l, 1 - alpha_l)
+        # (depth_read's lines, N = len(C[0]) [R]; by default one operation: DepthState.depth_read)
+        Nx, weights = s.depth_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], scale=len(C[0]))
         return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
         """N h^0, N h^1 apart, their weights (2, N, B, T): SepV's reads, and analyze.py's."""
         C = s.candidates()
-        keys, values = [C[i] for i in self.key_streams], [C[i] for i in self.value_streams]
+        keys, values = [C[k] for k, _ in self.routes], [C[v] for _, v in self.routes]
         h, weights = zip(*[s.depth_read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
@@ -447,13 +452,8 @@ class DAR(nn.Module):
 
     def write(self, s, l, y):
         # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        if s.fused: # dar_write as one operation (test_dar_write_operation_equals_its_definition)
-            s.P = depth_op.write(s.P, y, s.beta[l], s.rho[l], s.steps[-1])
-        else:
-            s.P = dar_write(s.P, y, s.beta[l], s.rho[l])
-        if s.fused and self.K <= 2: # K = 1, 2: the op's backward makes P^j, H^j_r again from these
-            s.steps[-1].append((y, s.beta[l], s.rho[l]))
-        # after a block's K-th sublayer and after sublayer L - 1 [R: a short last block]: commit P^j
+        s.P = s.dar_write(y, s.beta[l], s.rho[l]) # dar_write's lines
+        # after a block's K-th sublayer (K = 2: a Layer's MLP), and sublayer L - 1 [R]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
             s.commit() # H^j.append(P^j) ; P^j = 0 (P = None); the handles carry no values
         return s

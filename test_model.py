@@ -698,7 +698,7 @@ def check_read_saves(model):
     for l in range(3):
         x = model.transformer.res.read(s, l)
         s = model.transformer.res.write(s, l, x * 1.0)
-    ys = [y for steps in s.steps for y, _, _ in steps]
+    ys = [y for made in s.made if made is not None for y in made[0]]
     candidates = {t.untyped_storage().data_ptr() for t in [t for H in s.H for t in H] + s.P + ys}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
