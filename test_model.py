@@ -684,6 +684,25 @@ def test_dar_write_operation_equals_its_definition(dtype, partial):
     for got, want in write_and_definition(P, y, beta, rho, d):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
+def test_recorded_terms_make_dar_writes_partials():
+    """depth_op.recorded, write by write, keeps the terms of dar_write's partials: P^j = sum_i
+    c^j_i y_i, each coefficient mixed by every later write's rho; and depth_op.terms regroups the
+    terms of blocks of 1 and 2 into the (y_a, c_a, y_b, c_b) the kernels make entries from."""
+    g = torch.Generator().manual_seed(0)
+    draw = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)
+    P, made = None, None
+    for n in range(1, 4):
+        y, beta, rho = draw(2, 5, 8) - 0.5, 2 * draw(2, 8), draw(())
+        P, made = model_module.dar_write(P, y, beta, rho), depth_op.recorded(made, y, beta, rho)
+        ys, cs = made
+        for j in range(2):
+            torch.testing.assert_close(sum(cs[2 * i + j] * y_i for i, y_i in enumerate(ys)), P[j], rtol=1e-12, atol=1e-12)
+        if n <= 2:
+            made_again = [depth_op.make(*t) for t in depth_op.terms(*depth_op.recipe([made]))[0]]
+            torch.testing.assert_close(made_again, P, rtol=1e-12, atol=1e-12)
+    with torch.no_grad(): # no backward: nothing to make again
+        assert depth_op.recorded(made, y, beta, rho) is None
+
 def test_depth_op_keeps_only_weights_scores_and_rms_for_backward():
     """A read's backward keeps its candidates, or the outputs y they are made from again (the writes
     keep them anyway), and besides them only (J, R, B, T) and (S, R, B, T) tensors: no (B, T, C)
