@@ -603,6 +603,10 @@ def make(y_a, c_a, y_b, c_b):
     """A candidate from its terms: c_a y_a + c_b y_b (y_b None: c_a y_a)."""
     return c_a * y_a if y_b is None else c_a * y_a + c_b * y_b
 
+def made_partials(ys, cs):
+    """[P^0, P^1] made again from the terms (ys, cs) of the block's writes before this one."""
+    return [make(*t) for t in terms(ys, cs, [len(ys)])[0]]
+
 def assemble(kept, R, S, replayed, ys, cs, lengths):
     """The flat candidates (stream j's r at j * R + r): where r = replayed[i], the terms of stream
     j's, made again from the writes; else the next kept one (a tensor)."""
@@ -796,7 +800,7 @@ class Write(torch.autograd.Function):
     def backward(ctx, d0, d1):
         y, beta, rho, *kept = ctx.saved_tensors
         nP, nY, nCs = ctx.counts
-        P = [make(*t) for t in terms(*split(kept, (nY, nCs)), [nY])[0]] if nY else kept
+        P = made_partials(*split(kept, (nY, nCs))) if nY else kept
         dP, dy, dbeta, drho = write_backward(P, y, beta, rho, [d0, d1])
         return dy, dbeta, drho, None, *dP, *[None] * (nY + nCs)
 
@@ -813,7 +817,7 @@ def _(P, y, beta, rho, ys, cs):
 @torch.library.custom_op('dar::write_backward', mutates_args=())
 def _write_backward(P: list[torch.Tensor], y: torch.Tensor, beta: torch.Tensor, rho: Optional[torch.Tensor],
                     d: list[torch.Tensor], ys: list[torch.Tensor], cs: list[torch.Tensor]) -> list[torch.Tensor]:
-    P = [make(*t) for t in terms(ys, cs, [len(ys)])[0]] if ys else P # ys: P made again
+    P = made_partials(ys, cs) if ys else P # ys: P made again
     dP, dy, dbeta, drho = write_backward(P, y, beta, rho, d)
     return [*dP, dy, dbeta, *([] if drho is None else [drho])]
 
