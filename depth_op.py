@@ -1,6 +1,6 @@
 """
-The depth read of model.py (model.depth_read, its definition) as one operation, fused_read, with
-its backward written out, and DAR's write (model.dar_write) as another (after the read): the same
+The depth read of model.py (model.DepthState.depth_read, its definition) as one operation, fused_read, with
+its backward written out, and DAR's write (model.DAR.write) as another (after the read): the same
 values and gradients (test_model.py compares them in fp64), the read built so that
 - one call reads J targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
@@ -562,7 +562,7 @@ def split(tensors, counts):
 # DAR's partials and entries made again in backward from the writes that made them, instead of kept
 
 def recorded(made, y, beta, rho):
-    """The terms (ys, cs) of the partials after DAR's write of y (model.dar_write), from those
+    """The terms (ys, cs) of the partials after DAR's write of y (model.DAR.write), from those
     before it (None: P = 0): P^j = sum_i c^j_i y_i, cs = [c^0_1, c^1_1, c^0_2, ...], each (C,).
     Each coefficient computed once, at its write, not again at every read of the entry; compiled,
     as an operation: no code generated for it (docs/bench.md). Without grad, none (nothing made)."""
@@ -697,19 +697,19 @@ def _backward(ctx, grads):
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, made=None):
-    """x = scale sum_t gate_t h_t, h_t = model.depth_read of target t, as one operation. ws: the
+def fused_read(ws, g, cand, key, value, gates, handles, eps, scale=1.0, made=None):
+    """x = scale sum_t gate_t h_t, h_t = model.DepthState.depth_read of target t, as one operation. ws: the
     targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
-    (data: their gradients run through handles and partials); keys, values: per target, the stream
-    of cand it takes its keys from and the one it takes its values from (each stream is read once);
+    (data: their gradients run through handles and partials); key, value: per target, the index in
+    cand of the stream it takes its keys from and of the one it takes its values from (each stream
+    is read once);
     gates: per target, or None; handles: per stream, the handle of its committed candidates (a
     stream with more candidates than its handle has entries ends in its partial block); eps: the key
     norm's; scale: a number (inside the operation, so that the code compiled around it is the same
     for every R); made: per candidate r, the terms (ys, cs) it is made of (recorded), or None:
     given, backward makes it again from them, so it is not kept. Returns x, the weights a (J, R, B, T)
     and the handles."""
-    stream = lambda c: [c is c_j for c_j in cand].index(True)
-    routes = [j for k, v in zip(keys, values) for j in (stream(k), stream(v))] # flat: (keys, values)
+    routes = [j for k, v in zip(key, value) for j in (k, v)] # flat: (key stream, value stream) per target
     R, flat, gates = len(cand[0]), sum(cand, []), gates or []
     if not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are; compiled
         # (prefill, decode) traced, so that inductor fuses the reads: at a token a call costs more
@@ -728,7 +728,7 @@ def fused_read(ws, g, cand, keys, values, gates, handles, eps, scale=1.0, made=N
     return out[0], out[1], list(out[4:])
 
 # -----------------------------------------------------------------------------
-# DAR's write (model.dar_write, its definition) as one operation
+# DAR's write (model.DAR.write, its definition) as one operation
 
 def write_inputs(P, y, beta, rho):
     """The tensors a write reads: rho only with partials (a block's first write has none)."""
@@ -842,7 +842,7 @@ def _write_grad(ctx, d):
 _write.register_autograd(_write_grad, setup_context=_write_setup)
 
 def write(P, y, beta, rho, made=None):
-    """model.dar_write as one operation: the partials P ([P^0, P^1], or None where a block starts),
+    """model.DAR.write's lines as one operation: the partials P ([P^0, P^1], or None where a block starts),
     the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
     of one); compiled for training, beta and rho are depth_op.rows' (their code is every
     sublayer's). made: the terms (ys, cs) P is made of (recorded), or None: given, backward makes P
@@ -942,3 +942,30 @@ def rows(p, dims=1):
     for size in reversed(p.shape[1:dims]):
         flat = [flat[i:i + size] for i in range(0, len(flat), size)]
     return flat
+
+# -----------------------------------------------------------------------------
+# what the operations keep beside model.DepthState's H^j and P^j
+
+class Tape:
+    """A DepthState's bookkeeping for the operations' backward: per stream the handle of its
+    committed entries (their gradient), and for DAR with blocks of K = 1 or 2 (remade) the terms
+    each entry and the partial are made of (made[r]: H^j_r's; made[-1]: P^j's), so that backward
+    makes them again instead of keeping them (with larger blocks, K writes each: kept)."""
+
+    def __init__(self, e, streams, K):
+        self.handle = [grow(None, e) for _ in range(streams)]
+        self.made, self.remade = [None, None], streams == 2 and K <= 2
+
+    def read(self, ws, g, cand, key, value, gates, eps, N):
+        x, weights, self.handle = fused_read(ws, g, cand, key, value, gates, self.handle, eps, N, self.made)
+        return x, weights
+
+    def write(self, P, y, beta, rho):
+        new = write(P, y, beta, rho, self.made[-1])
+        if self.remade:
+            self.made[-1] = recorded(self.made[-1], y, beta, rho)
+        return new
+
+    def commit(self, P):
+        self.handle = [grow(S, p) for S, p in zip(self.handle, P)]
+        self.made = self.made + [None]

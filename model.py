@@ -295,64 +295,44 @@ class MHC(nn.Module):
 # depth attention, shared by AttnRes and DAR
 RMS_EPS = 1e-6 # the depth reads' key RMSNorm (and mHC's, of its streams)
 
-def depth_read(queries, g, keys, values, fusion, scale):
-    """Target t reads R keys[t], values[t] (B, T, n_embd), query queries[t]; g: RMSNorm's weight."""
-    x, weights = 0, []
-    for t, (w, keys_t, values_t) in enumerate(zip(queries, keys, values)):
-        # rms(k_r) = sqrt(mean(k_r^2) + eps), eps = RMS_EPS = 1e-6; scores in fp32
-        rms = [torch.sqrt(fp32(k).pow(2).mean(-1) + RMS_EPS) for k in keys_t]
-        # w . RMSNorm_g(k_r) = (k_r . (g * w)) / rms(k_r)
-        scores = torch.stack([(fp32(k) * (g * w)).sum(-1) / rms_r for k, rms_r in zip(keys_t, rms)])
-        # a_r = softmax over depth r of the scores (no 1/sqrt(n_embd))
-        a = scores.softmax(0)
-        # h_t = sum_r a_r v_r: the values are raw, only the keys are normed
-        h = sum(a_r.unsqueeze(-1) * v for a_r, v in zip(a, values_t))
-        # x = sum_t fusion_t h_t (DAR: fusion = (alpha_l, 1 - alpha_l); None: one target, x = h_0)
-        x, weights = x + (h if fusion is None else fusion[t] * h), weights + [a]
-    return scale * x, torch.stack(weights) # [R] scale = N candidates (AttnRes.read, DAR.read): N x
-
-def dar_write(P, y, beta, rho):
-    """DAR's write of y_l (B, T, n_embd) into P = [P^0, P^1] (None: 0), beta_l (2, n_embd), rho_l"""
-    if P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
-        return [beta[0] * y, beta[1] * y]
-    P0, P1 = P
-    # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-    return [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
-
 class DepthState:
     """AttnRes's and DAR's state: per stream j the history H^j and partial P^j (None: 0)."""
-    fused = True # the reads (and DAR's writes) as depth_op's operations; False: as written
+    fused = True # read and write by depth_op's operations (self.op); False: by the lines below them
 
-    def __init__(self, e, streams, include_partial, remade=False):
-        self.include_partial, self.remade = include_partial, remade # remade: see dar_write
+    def __init__(self, e, streams, include_partial, K):
+        self.include_partial = include_partial
         self.H, self.P = [[e] for _ in range(streams)], None # H^j_0 = e ; P^j = 0, held as P = None
-        self.handle = [depth_op.grow(None, e) for _ in range(streams)] # fused: H^j's gradient
-        self.made = [None, None] # made[r]: the terms of H^j_r (depth_op.recorded); made[-1]: P^j's
-
-    def commit(self):
-        # H^j.append(P^j) ; P^j = 0
-        for j, p in enumerate(self.P):
-            self.H[j].append(p)
-            self.handle[j] = depth_op.grow(self.handle[j], p) # no value: carries H^j's gradient
-        self.P, self.made = None, self.made + [None]
+        self.op = depth_op.Tape(e, streams, K) # the operations' own, for backward
 
     def candidates(self):
         # C^j = H^j, plus P^j once the block has a write (if include_partial)
         return [H + [P] for H, P in zip(self.H, self.P)] if self.include_partial and self.P is not None else self.H
 
-    def depth_read(self, C, queries, g, keys, values, fusion=None, scale=1):
-        if self.fused: # as one operation: test_depth_op_equals_the_readable_reads_in_fp64
-            x, weights, self.handle = depth_op.fused_read(queries, g, C, keys, values, fusion, self.handle, RMS_EPS, scale, self.made)
-            return x, weights
-        return depth_read(queries, g, keys, values, fusion, scale)
+    def commit(self):
+        self.op.commit(self.P)
+        for H, P in zip(self.H, self.P):
+            H.append(P) # H^j.append(P^j)
+        self.P = None # P^j = 0
 
-    def dar_write(self, y, beta, rho):
-        if not self.fused: # as written (fused: test_dar_write_operation_equals_its_definition)
-            return dar_write(self.P, y, beta, rho)
-        P = depth_op.write(self.P, y, beta, rho, self.made[-1])
-        if self.remade: # DAR, K = 1, 2: backward makes P^j, then H^j_r, again from these terms
-            self.made[-1] = depth_op.recorded(self.made[-1], y, beta, rho)
-        return P
+    def depth_read(self, queries, g, key, value, alphas=None):
+        """N x, x = sum_t alphas_t h_t, and the weights (targets, R, B, T): target t reads keys of
+        C^{key[t]}, values of C^{value[t]}, with query queries[t]; g: RMSNorm's weight."""
+        cand = self.candidates() # cand[j] = C^j, R candidates (B, T, n_embd) each
+        N = len(cand[0])
+        if self.fused: # the lines below as one op (test_depth_op_equals_the_readable_reads_in_fp64)
+            return self.op.read(queries, g, cand, key, value, alphas, RMS_EPS, N)
+        h, weights = [], []
+        for w, k_stream, v_stream in zip(queries, key, value): # k, v = key[t], value[t]
+            # keys_r = RMSNorm_g(C^k_r) = g * C^k_r / sqrt(mean((C^k_r)^2) + 1e-6), in fp32
+            keys = [F.rms_norm(fp32(c), c.shape[-1:], g, RMS_EPS) for c in cand[k_stream]]
+            # a_r = softmax over depth r of w . keys_r (no 1/sqrt(n_embd)): the weights
+            weights.append(torch.stack([(w * k_r).sum(-1) for k_r in keys]).softmax(0))
+            # h_t = sum_r a_r C^v_r: the values are raw, only the keys are normed
+            h.append(sum(a_r.unsqueeze(-1) * v_r for a_r, v_r in zip(weights[-1], cand[v_stream])))
+        # x = sum_t alphas_t h_t (DAR: alphas = (alpha_l, 1 - alpha_l); None: one target, x = h_0)
+        x = h[0] if alphas is None else sum(alpha * h_t for alpha, h_t in zip(alphas, h))
+        # [R] N x: Norm_l(N x) = Norm_l(x) but for its eps, so at init N x is the standard residual
+        return N * x, torch.stack(weights)
 
 class AttnRes(nn.Module):
     """Attention Residuals. One stream: its history is b_0 = e and the completed block sums b_1,
@@ -366,14 +346,13 @@ class AttnRes(nn.Module):
         self.key_norm = nn.Parameter(torch.ones(L + 1, n_embd)) # g_l, weight of RMSNorm_l
 
     def begin(self, e):
-        s = DepthState(e, 1, self.include_partial) # b_0 = e
+        s = DepthState(e, 1, self.include_partial, self.K) # b_0 = e
         s.w, s.g = depth_op.rows(self.query), depth_op.rows(self.key_norm)
         return s
 
     def read(self, s, l):
-        V = s.candidates()[0] # [b_0, .., b_{n-1}, b_n^{i-1}]
-        # N x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R: N = |V|, as DAR.read]: depth_read
-        return s.depth_read([V], [s.w[l]], s.g[l], keys=[V], values=[V], scale=len(V))[0]
+        # V = [b_0, .., b_{n-1}, b_n^{i-1}] ; N x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R]
+        return s.depth_read([s.w[l]], s.g[l], key=[0], value=[0])[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -383,12 +362,12 @@ class AttnRes(nn.Module):
             s.commit()
         return s
 
-ROUTES = { # dar_routing -> per target j, (k, v): target j reads keys RMSNorm(C^k), values C^v
+ROUTES = { # dar_routing -> (key, value): target j reads keys RMSNorm(C^{key[j]}), values C^{value[j]}
     'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
-    'self': ((0, 0), (1, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
+    'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
     'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
-    'fixed': ((0, 1), (0, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
-    'sepv': ((0, 0), (1, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
+    'fixed': ((0, 0), (1, 1)), # FixedKV: keys RMSNorm(C^0), values C^1, for both targets
+    'sepv': ((0, 1), (0, 1)), # SepV: keys RMSNorm(C^j), values W^j_V C^j (DAR.reads)
 }
 
 class DAR(nn.Module):
@@ -399,7 +378,7 @@ class DAR(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.routes = ROUTES[config.dar_routing] # cross: ((1, 0), (0, 1))
+        self.key, self.value = ROUTES[config.dar_routing] # cross: key = (1, 0), value = (0, 1)
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -415,11 +394,10 @@ class DAR(nn.Module):
             self.value_proj = nn.Parameter(torch.eye(n_embd).repeat(L + 1, 2, 1, 1))
 
     def begin(self, e):
-        s = DepthState(e, 2, self.include_partial, remade=self.K <= 2) # H^j = [e] [R], P^j = 0
-        # s.w[l][j] = query[l, j], s.g[l] = key_norm[l], each (n_embd,): a tensor (test_rows)
-        s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm)
-        alpha = torch.sigmoid(self.alpha_logit) # alpha_l = sigmoid(a_l): the weight of h^0
-        s.fusion = depth_op.rows(torch.stack([alpha, 1 - alpha], -1), 2) # (alpha_l, 1 - alpha_l)
+        s = DepthState(e, 2, self.include_partial, self.K) # H^j = [e] [R], P^j = 0
+        # rows(p)[l] = p[l], rows(p, 2)[l][j] = p[l, j]: compiled, tensors of their own (test_rows)
+        s.w, s.g = depth_op.rows(self.query, 2), depth_op.rows(self.key_norm) # w^j_l, g_l
+        s.alpha = depth_op.rows(torch.sigmoid(self.alpha_logit)) # alpha_l = sigmoid(a_l)
         s.beta = depth_op.rows(2 * torch.sigmoid(self.beta_logit)) # beta^j_l = 2 sigmoid(b^j_l)
         s.rho = depth_op.rows(torch.sigmoid(self.rho_logit)) if self.K > 1 else [None] * self.L # rho_l = sigmoid(r_l)
         return s
@@ -427,20 +405,16 @@ class DAR(nn.Module):
     def read(self, s, l):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
-        C = s.candidates() # C[j] = C^j: H^j, plus P^j if include_partial and the block has a write
-        # target j: keys C^k, values C^v, (k, v) = routes[j]; cross (DAR): keys C^{1-j}, values C^j
-        keys, values = [C[k] for k, _ in self.routes], [C[v] for _, v in self.routes]
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(keys[j]_r)) values[j]_r ; w^j_l = s.w[l][j]
-        # N x_l = N (alpha_l h^0 + (1 - alpha_l) h^1) ; s.fusion[l] = (alpha_l, 1 - alpha_l)
-        # (depth_read's lines, N = len(C[0]) [R]; by default one operation: DepthState.depth_read)
-        Nx, weights = s.depth_read(C, s.w[l], s.g[l], keys, values, s.fusion[l], scale=len(C[0]))
+        w, g, alpha = s.w[l], s.g[l], s.alpha[l] # w[j] = w^j_l ; g_l: RMSNorm_l's weight ; alpha_l
+        # C^j: history H^j plus partial P^j of stream j ; cross (DAR): key[j] = 1-j, value[j] = j
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{key[j]}_r)) C^{value[j]}_r
+        # N x_l = N (alpha_l h^0 + (1 - alpha_l) h^1), N = |C^j| [R]
+        Nx, weights = s.depth_read(w, g, self.key, self.value, [alpha, 1 - alpha])
         return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
-        """N h^0, N h^1 apart, their weights (2, N, B, T): SepV's reads, and analyze.py's."""
-        C = s.candidates()
-        keys, values = [C[k] for k, _ in self.routes], [C[v] for _, v in self.routes]
-        h, weights = zip(*[s.depth_read(C, [w], s.g[l], [k], [v], scale=len(C[0])) for w, k, v in zip(s.w[l], keys, values)])
+        """N h^0, N h^1 apart, their weights (2, R, B, T): SepV's reads, and analyze.py's."""
+        h, weights = zip(*[s.depth_read([w], s.g[l], [k], [v]) for w, k, v in zip(s.w[l], self.key, self.value)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]
@@ -448,14 +422,21 @@ class DAR(nn.Module):
 
     def fuse(self, s, l, h, weights):
         # N x_l = alpha_l N h^0 + (1 - alpha_l) N h^1: SepV's and analyze.Probe's fusion
-        return s.fusion[l][0] * h[0] + s.fusion[l][1] * h[1]
+        return s.alpha[l] * h[0] + (1 - s.alpha[l]) * h[1]
 
     def write(self, s, l, y):
-        # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
-        s.P = s.dar_write(y, s.beta[l], s.rho[l]) # dar_write's lines
+        beta, rho = s.beta[l], s.rho[l] # beta_l = (beta^0_l, beta^1_l), each (n_embd,); rho_l
+        if s.fused: # the lines below as one op (test_dar_write_operation_equals_its_definition)
+            s.P = s.op.write(s.P, y, beta, rho)
+        elif s.P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
+            s.P = [beta[0] * y, beta[1] * y]
+        else: # both read the old P
+            P0, P1 = s.P
+            # P^0 <- rho P^0 + (1-rho) P^1 + beta^0 y_l ; P^1 <- (1-rho) P^0 + rho P^1 + beta^1 y_l
+            s.P = [rho * P0 + (1 - rho) * P1 + beta[0] * y, (1 - rho) * P0 + rho * P1 + beta[1] * y]
         # after a block's K-th sublayer (K = 2: a Layer's MLP), and sublayer L - 1 [R]: commit P^j
         if (l + 1) % self.K == 0 or l + 1 == self.L:
-            s.commit() # H^j.append(P^j) ; P^j = 0 (P = None); the handles carry no values
+            s.commit() # H^j.append(P^j) ; P^j = 0
         return s
 
 RESIDUALS = dict(standard=Standard, attnres=AttnRes, mhc=MHC, dar=DAR) # residual= picks one

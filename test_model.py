@@ -457,12 +457,12 @@ def test_gradient_reaches_every_parameter(name):
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{n} gets no gradient"
 
 # -----------------------------------------------------------------------------
-# the depth read as one operation (depth_op.py) against its definition, model.depth_read
+# the depth read as one operation (depth_op.py) against its definition, DepthState.depth_read's lines
 
 DEPTH = [n for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar') and '+moe' not in n]
 
 def use_readable(monkeypatch):
-    """The model runs the readable definitions, depth_read and dar_write, as written."""
+    """The model runs the readable definitions, DepthState.depth_read's and DAR.write's lines."""
     monkeypatch.setattr(model_module.DepthState, 'fused', False)
 
 def use_torch_ops(monkeypatch):
@@ -496,7 +496,7 @@ def needs_interpreter():
 def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, K, body, monkeypatch):
     """Every path, routing, K (1, 4 over 6 sublayers, and train.py's 2) and partial on / off: the
     loss and every gradient of the model that runs depth_op (depth_op.cpp, its torch-ops body, or
-    its Triton kernels in Triton's interpreter) equal those of depth_read and dar_write, in fp64.
+    its Triton kernels in Triton's interpreter) equal those of the lines of DepthState.depth_read and DAR.write, in fp64.
     make() randomises the path's parameters: no query zero, no gate at its init (randomize)."""
     kw = {} if K is None else dict(depth_block=K)
     if body == 'triton':
@@ -579,7 +579,7 @@ def test_triton_read_equals_its_torch_ops(routes, dtype):
 @pytest.mark.parametrize('partial', [False, True])
 @pytest.mark.parametrize('dtypes', [(torch.float64,) * 2, (torch.float32,) * 2, (torch.bfloat16, torch.float32)])
 def test_triton_write_equals_its_definition(dtypes, partial):
-    """DAR's write by its Triton kernels (in Triton's interpreter) against model.dar_write: the
+    """DAR's write by its Triton kernels (in Triton's interpreter) against DAR.write's lines: the
     partials and the gradients of the partials, y, beta and rho; y in bf16 beside fp32 partials
     and gates (CUDA under autocast) too."""
     needs_interpreter()
@@ -660,12 +660,19 @@ def test_triton_kernels_that_fail_run_torch_ops_after_one_line(monkeypatch, caps
     use_readable(monkeypatch)
     assert_same(got, loss_and_grads('dar-cross-block', True))
 
+def dar_write_as_written(P, y, beta, rho):
+    """The partials after DAR.write's lines (DepthState.fused = False) write y into P."""
+    res = model_module.DAR(GPTConfig(n_layer=2, n_head=1, n_embd=y.size(-1), residual='dar', depth_block=4))
+    s = model_module.DepthState(y, 2, True, 4)
+    s.fused, s.P, s.beta, s.rho = False, P, [beta], [rho]
+    return res.write(s, 0, y).P # l = 0 of a block of 4: no commit
+
 def write_and_definition(P, y, beta, rho, d):
     """depth_op.write's partials and gradients (of P, y, beta and rho, from d) beside
-    model.dar_write's, as pairs."""
+    DAR.write's lines', as pairs."""
     inputs = (P or []) + [y, beta] + ([rho] if P else [])
     outs = []
-    for write in (depth_op.write, model_module.dar_write):
+    for write in (depth_op.write, dar_write_as_written):
         new = write(P, y, beta, rho)
         outs.append(torch.utils._pytree.tree_leaves((new, torch.autograd.grad(new, inputs, d))))
     return zip(*outs)
@@ -673,7 +680,7 @@ def write_and_definition(P, y, beta, rho, d):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('partial', [False, True])
 def test_dar_write_operation_equals_its_definition(dtype, partial):
-    """depth_op.write (depth_op.cpp's fp32 and fp64 kernels) against model.dar_write: the partials,
+    """depth_op.write (depth_op.cpp's fp32 and fp64 kernels) against DAR.write's lines: the partials,
     and the gradients of the partials, y, beta and rho, with a block's first write (no partials)."""
     assert depth_op.library() is not None, "depth_op.cpp did not build"
     g = torch.Generator().manual_seed(0)
@@ -685,7 +692,7 @@ def test_dar_write_operation_equals_its_definition(dtype, partial):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 def test_recorded_terms_make_dar_writes_partials():
-    """depth_op.recorded, write by write, keeps the terms of dar_write's partials: P^j = sum_i
+    """depth_op.recorded, write by write, keeps the terms of DAR.write's partials: P^j = sum_i
     c^j_i y_i, each coefficient mixed by every later write's rho; and depth_op.terms regroups the
     terms of blocks of 1 and 2 into the (y_a, c_a, y_b, c_b) the kernels make entries from."""
     g = torch.Generator().manual_seed(0)
@@ -693,7 +700,7 @@ def test_recorded_terms_make_dar_writes_partials():
     P, made = None, None
     for n in range(1, 4):
         y, beta, rho = draw(2, 5, 8) - 0.5, 2 * draw(2, 8), draw(())
-        P, made = model_module.dar_write(P, y, beta, rho), depth_op.recorded(made, y, beta, rho)
+        P, made = dar_write_as_written(P, y, beta, rho), depth_op.recorded(made, y, beta, rho)
         ys, cs = made
         for j in range(2):
             torch.testing.assert_close(sum(cs[2 * i + j] * y_i for i, y_i in enumerate(ys)), P[j], rtol=1e-12, atol=1e-12)
@@ -717,7 +724,7 @@ def check_read_saves(model):
     for l in range(3):
         x = model.transformer.res.read(s, l)
         s = model.transformer.res.write(s, l, x * 1.0)
-    ys = [y for made in s.made if made is not None for y in made[0]]
+    ys = [y for made in s.op.made if made is not None for y in made[0]]
     candidates = {t.untyped_storage().data_ptr() for t in [t for H in s.H for t in H] + s.P + ys}
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
