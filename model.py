@@ -296,8 +296,9 @@ class MHC(nn.Module):
 RMS_EPS = 1e-6 # the depth reads' key RMSNorm (and mHC's, of its streams)
 
 class DepthState:
-    """AttnRes's and DAR's state: per stream j the history H^j and partial P^j (None: 0)."""
-    fused = True # read and write by depth_op's operations (self.op); False: by the lines below them
+    """AttnRes's and DAR's state: H[j] = H^j, stream j's history, a list of (B, T, n_embd) entries;
+    P = [P^0, P^1] (AttnRes: [b_n^i]), or None: 0, before a block's first write; op: depth_op's."""
+    use_op = True # read and write by depth_op's operations (self.op); False: by the lines below
 
     def __init__(self, e, streams, include_partial, K):
         self.include_partial = include_partial
@@ -319,7 +320,7 @@ class DepthState:
         C^{key[t]}, values of C^{value[t]}, with query queries[t]; g: RMSNorm's weight."""
         cand = self.candidates() # cand[j] = C^j, R candidates (B, T, n_embd) each
         N = len(cand[0])
-        if self.fused: # the lines below as one op (test_depth_op_equals_the_readable_reads_in_fp64)
+        if self.use_op: # the lines below, one op (test_depth_op_equals_the_readable_reads_in_fp64)
             return self.op.read(queries, g, cand, key, value, alphas, RMS_EPS, N)
         h, weights = [], []
         for w, k_stream, v_stream in zip(queries, key, value): # k, v = key[t], value[t]
@@ -426,7 +427,7 @@ class DAR(nn.Module):
 
     def write(self, s, l, y):
         beta, rho = s.beta[l], s.rho[l] # beta_l = (beta^0_l, beta^1_l), each (n_embd,); rho_l
-        if s.fused: # the lines below as one op (test_dar_write_operation_equals_its_definition)
+        if s.use_op: # the lines below as one op (test_dar_write_operation_equals_its_definition)
             s.P = s.op.write(s.P, y, beta, rho)
         elif s.P is None: # a block starts at P^j = 0: P^j <- beta^j y_l
             s.P = [beta[0] * y, beta[1] * y]

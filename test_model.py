@@ -463,7 +463,7 @@ DEPTH = [n for n in PATHS if PATHS[n].get('residual') in ('attnres', 'dar') and 
 
 def use_readable(monkeypatch):
     """The model runs the readable definitions, DepthState.depth_read's and DAR.write's lines."""
-    monkeypatch.setattr(model_module.DepthState, 'fused', False)
+    monkeypatch.setattr(model_module.DepthState, 'use_op', False)
 
 def use_torch_ops(monkeypatch):
     """depth_op's operations run their torch-ops bodies: no Triton kernel, no depth_op.cpp."""
@@ -661,10 +661,10 @@ def test_triton_kernels_that_fail_run_torch_ops_after_one_line(monkeypatch, caps
     assert_same(got, loss_and_grads('dar-cross-block', True))
 
 def dar_write_as_written(P, y, beta, rho):
-    """The partials after DAR.write's lines (DepthState.fused = False) write y into P."""
+    """The partials after DAR.write's lines (DepthState.use_op = False) write y into P."""
     res = model_module.DAR(GPTConfig(n_layer=2, n_head=1, n_embd=y.size(-1), residual='dar', depth_block=4))
     s = model_module.DepthState(y, 2, True, 4)
-    s.fused, s.P, s.beta, s.rho = False, P, [beta], [rho]
+    s.use_op, s.P, s.beta, s.rho = False, P, [beta], [rho]
     return res.write(s, 0, y).P # l = 0 of a block of 4: no commit
 
 def write_and_definition(P, y, beta, rho, d):
