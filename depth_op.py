@@ -1,6 +1,7 @@
 """
-The depth read of model.py (model.DepthState.depth_read, its definition) as one operation, fused_read, with
-its backward written out, and DAR's write (model.DAR.write) as another (after the read): the same
+The depth read of model.py (the lines of model.DepthState.depth_read, its definition) as one
+operation, fused_read, with its backward written out, and DAR's write (model.DAR.write's lines) as
+another (after the read): the same
 values and gradients (test_model.py compares them in fp64), the read built so that
 - one call reads J targets (AttnRes: one; DAR: both, with their fusion) over S streams of
   candidates, each stream read once per pass;
@@ -697,19 +698,19 @@ def _backward(ctx, grads):
 
 _read.register_autograd(_backward, setup_context=_setup_context)
 
-def fused_read(ws, g, cand, key, value, gates, handles, eps, scale=1.0, made=None):
-    """x = scale sum_t gate_t h_t, h_t = model.DepthState.depth_read of target t, as one operation. ws: the
-    targets' query rows; g: the key-norm weight; cand: per stream, its R candidates, committed first
-    (data: their gradients run through handles and partials); key, value: per target, the index in
-    cand of the stream it takes its keys from and of the one it takes its values from (each stream
-    is read once);
-    gates: per target, or None; handles: per stream, the handle of its committed candidates (a
-    stream with more candidates than its handle has entries ends in its partial block); eps: the key
-    norm's; scale: a number (inside the operation, so that the code compiled around it is the same
-    for every R); made: per candidate r, the terms (ys, cs) it is made of (recorded), or None:
-    given, backward makes it again from them, so it is not kept. Returns x, the weights a (J, R, B, T)
-    and the handles."""
-    routes = [j for k, v in zip(key, value) for j in (k, v)] # flat: (key stream, value stream) per target
+def fused_read(ws, g, cand, key_streams, value_streams, gates, handles, eps, scale=1.0, made=None):
+    """x = scale sum_t gate_t h_t, h_t = the read of target t by model.DepthState.depth_read's lines,
+    as one operation. ws: the targets' query rows; g: the key-norm weight; cand: per stream, its R
+    candidates, committed first (data: their gradients run through handles and partials);
+    key_streams, value_streams: per target, the index in cand of the stream it takes its keys from
+    and of the one it takes its values from (each stream is read once); gates: per target, or
+    None; handles: per stream, the handle of its committed candidates (a stream with more
+    candidates than its handle has entries ends in its partial block); eps: the key norm's; scale:
+    a number (inside the operation, so that the code compiled around it is the same for every R);
+    made: per candidate r, the terms (ys, cs) it is made of (recorded), or None: given, backward
+    makes it again from them, so it is not kept. Returns x, the weights a (J, R, B, T) and the
+    handles."""
+    routes = [j for k, v in zip(key_streams, value_streams) for j in (k, v)] # flat: (k, v) per target
     R, flat, gates = len(cand[0]), sum(cand, []), gates or []
     if not torch.is_grad_enabled(): # no backward: no autograd, the handles as they are; compiled
         # (prefill, decode) traced, so that inductor fuses the reads: at a token a call costs more
@@ -842,8 +843,8 @@ def _write_grad(ctx, d):
 _write.register_autograd(_write_grad, setup_context=_write_setup)
 
 def write(P, y, beta, rho, made=None):
-    """model.DAR.write's lines as one operation: the partials P ([P^0, P^1], or None where a block starts),
-    the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
+    """model.DAR.write's lines as one operation: the partials P ([P^0, P^1], or None where a block
+    starts), the output y (B, T, C), beta = beta_l (2, C), rho = rho_l (a scalar tensor, or None with blocks
     of one); compiled for training, beta and rho are depth_op.rows' (their code is every
     sublayer's). made: the terms (ys, cs) P is made of (recorded), or None: given, backward makes P
     again from them (for rho's gradient), so P is not kept. Returns [P^0', P^1']."""
@@ -956,8 +957,9 @@ class Tape:
         self.handle = [grow(None, e) for _ in range(streams)]
         self.made, self.remade = [None, None], streams == 2 and K <= 2
 
-    def read(self, ws, g, cand, key, value, gates, eps, N):
-        x, weights, self.handle = fused_read(ws, g, cand, key, value, gates, self.handle, eps, N, self.made)
+    def read(self, ws, g, cand, key_streams, value_streams, gates, eps, N):
+        x, weights, self.handle = fused_read(ws, g, cand, key_streams, value_streams, gates, self.handle, eps, N,
+                                             self.made)
         return x, weights
 
     def write(self, P, y, beta, rho):

@@ -315,21 +315,22 @@ class DepthState:
             H.append(P) # H^j.append(P^j)
         self.P = None # P^j = 0
 
-    def depth_read(self, queries, g, key, value, alphas=None):
+    def depth_read(self, queries, g, key_streams, value_streams, alphas=None):
         """N x, x = sum_t alphas_t h_t, and the weights (targets, R, B, T): target t reads keys of
-        C^{key[t]}, values of C^{value[t]}, with query queries[t]; g: RMSNorm's weight."""
+        C^k, values of C^v (k, v = key_streams[t], value_streams[t]) with query queries[t]; g:
+        RMSNorm's weight."""
         cand = self.candidates() # cand[j] = C^j, R candidates (B, T, n_embd) each
         N = len(cand[0])
         if self.use_op: # the lines below, one op (test_depth_op_equals_the_readable_reads_in_fp64)
-            return self.op.read(queries, g, cand, key, value, alphas, RMS_EPS, N)
+            return self.op.read(queries, g, cand, key_streams, value_streams, alphas, RMS_EPS, N)
         h, weights = [], []
-        for w, k_stream, v_stream in zip(queries, key, value): # k, v = key[t], value[t]
+        for w, k, v in zip(queries, key_streams, value_streams):
             # keys_r = RMSNorm_g(C^k_r) = g * C^k_r / sqrt(mean((C^k_r)^2) + 1e-6), in fp32
-            keys = [F.rms_norm(fp32(c), c.shape[-1:], g, RMS_EPS) for c in cand[k_stream]]
+            keys = [F.rms_norm(fp32(c), c.shape[-1:], g, RMS_EPS) for c in cand[k]]
             # a_r = softmax over depth r of w . keys_r (no 1/sqrt(n_embd)): the weights
             weights.append(torch.stack([(w * k_r).sum(-1) for k_r in keys]).softmax(0))
             # h_t = sum_r a_r C^v_r: the values are raw, only the keys are normed
-            h.append(sum(a_r.unsqueeze(-1) * v_r for a_r, v_r in zip(weights[-1], cand[v_stream])))
+            h.append(sum(a_r.unsqueeze(-1) * v_r for a_r, v_r in zip(weights[-1], cand[v])))
         # x = sum_t alphas_t h_t (DAR: alphas = (alpha_l, 1 - alpha_l); None: one target, x = h_0)
         x = h[0] if alphas is None else sum(alpha * h_t for alpha, h_t in zip(alphas, h))
         # [R] N x: Norm_l(N x) = Norm_l(x) but for its eps, so at init N x is the standard residual
@@ -353,7 +354,7 @@ class AttnRes(nn.Module):
 
     def read(self, s, l):
         # V = [b_0, .., b_{n-1}, b_n^{i-1}] ; N x_l = N sum_r softmax_r(w_l . RMSNorm_l(V_r)) V_r [R]
-        return s.depth_read([s.w[l]], s.g[l], key=[0], value=[0])[0]
+        return s.depth_read([s.w[l]], s.g[l], key_streams=[0], value_streams=[0])[0]
 
     def write(self, s, l, y):
         # b_n^i = b_n^{i-1} + y_l
@@ -363,7 +364,7 @@ class AttnRes(nn.Module):
             s.commit()
         return s
 
-ROUTES = { # dar_routing -> (key, value): target j reads keys RMSNorm(C^{key[j]}), values C^{value[j]}
+ROUTES = { # dar_routing -> (key_streams, value_streams), each indexed by the target j
     'cross': ((1, 0), (0, 1)), # DAR: keys RMSNorm(C^{1-j}), values C^j
     'self': ((0, 1), (0, 1)), # SelfKV: keys RMSNorm(C^j), values C^j
     'crossv': ((0, 1), (1, 0)), # CrossV: keys RMSNorm(C^j), values C^{1-j}
@@ -379,7 +380,7 @@ class DAR(nn.Module):
         super().__init__()
         L, n_embd = 2 * config.n_layer, config.n_embd
         self.L, self.K, self.include_partial = L, config.depth_block, config.include_partial
-        self.key, self.value = ROUTES[config.dar_routing] # cross: key = (1, 0), value = (0, 1)
+        self.key_streams, self.value_streams = ROUTES[config.dar_routing] # cross: (1, 0), (0, 1)
         self.sepv = config.dar_routing == 'sepv'
         # row l < L is sublayer l's, row L the final read's; g_l is shared by both targets
         self.query = nn.Parameter(torch.zeros(L + 1, 2, n_embd)) # w^j_l, zero-init [R: per stream]
@@ -407,15 +408,15 @@ class DAR(nn.Module):
         if self.sepv: # SepV projects each target's read before the fusion
             return self.fuse(s, l, *self.reads(s, l))
         w, g, alpha = s.w[l], s.g[l], s.alpha[l] # w[j] = w^j_l ; g_l: RMSNorm_l's weight ; alpha_l
-        # C^j: history H^j plus partial P^j of stream j ; cross (DAR): key[j] = 1-j, value[j] = j
-        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^{key[j]}_r)) C^{value[j]}_r
+        # C^j: history H^j plus partial P^j of stream j ; k, v = key_streams[j], value_streams[j]
+        # h^j = sum_r softmax_r(w^j_l . RMSNorm_l(C^k_r)) C^v_r ; cross (DAR): k = 1 - j, v = j
         # N x_l = N (alpha_l h^0 + (1 - alpha_l) h^1), N = |C^j| [R]
-        Nx, weights = s.depth_read(w, g, self.key, self.value, [alpha, 1 - alpha])
+        Nx, weights = s.depth_read(w, g, self.key_streams, self.value_streams, [alpha, 1 - alpha])
         return Nx # (the weights a^j_r: analyze.py's, through DAR.reads)
 
     def reads(self, s, l):
         """N h^0, N h^1 apart, their weights (2, R, B, T): SepV's reads, and analyze.py's."""
-        h, weights = zip(*[s.depth_read([w], s.g[l], [k], [v]) for w, k, v in zip(s.w[l], self.key, self.value)])
+        h, weights = zip(*[s.depth_read([w], s.g[l], [k], [v]) for w, k, v in zip(s.w[l], self.key_streams, self.value_streams)])
         if self.sepv:
             # SepV: sum_r a_r W^j_V C^j_r = W^j_V h^j, the projection taken out of the sum
             h = [h_j @ self.value_proj[l, j].t() for j, h_j in enumerate(h)]

@@ -496,8 +496,9 @@ def needs_interpreter():
 def test_depth_op_equals_the_readable_reads_in_fp64(name, include_partial, K, body, monkeypatch):
     """Every path, routing, K (1, 4 over 6 sublayers, and train.py's 2) and partial on / off: the
     loss and every gradient of the model that runs depth_op (depth_op.cpp, its torch-ops body, or
-    its Triton kernels in Triton's interpreter) equal those of the lines of DepthState.depth_read and DAR.write, in fp64.
-    make() randomises the path's parameters: no query zero, no gate at its init (randomize)."""
+    its Triton kernels in Triton's interpreter) equal those of the lines of DepthState.depth_read
+    and DAR.write, in fp64. make() randomises the path's parameters: no query zero, no gate at its
+    init (randomize)."""
     kw = {} if K is None else dict(depth_block=K)
     if body == 'triton':
         needs_interpreter()
